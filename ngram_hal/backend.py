@@ -1,0 +1,448 @@
+"""The HAL: :class:`Backend`, the one interface the core calls.
+
+Each public op validates its arguments through :mod:`ngram_hal.contract` (metadata only; value
+checks too when ``strict``) and then calls the subclass's ``_<op>``. A subclass implements the
+ops it can by defining ``_<op>``; :meth:`Backend.capabilities` lists exactly those, and calling
+any other raises ``NotImplementedError`` naming the op and the backend.
+
+Shapes: B requests, D draft-tree nodes per request (node 0 the root), L layers, H kv heads,
+Hq query heads, d head dim, S slots, V vocabulary, R request-pool rows, M max context.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from . import contract as c
+from .runtime import Runtime
+
+if TYPE_CHECKING:
+    from .memory.kv_cache import KVCache
+
+OPS: tuple[str, ...] = (
+    "alloc_extend",
+    "assign_req_to_token",
+    "gather_cache_locs",
+    "store_kv",
+    "move_kv",
+    "accepted_kv_moves",
+    "reconstruct_tree",
+    "verify_tree_greedy",
+    "verify_tree_sample",
+    "attention",
+)
+
+
+class Capabilities(BaseModel):
+    """What a backend instance offers. Serialises to JSON for reports."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    ops: list[str]
+    device: str
+    proxy: bool
+    warp_size: int | None = None
+    graph_capture: bool = False
+    page_sizes: list[int] | None = None
+    kv_dtypes: list[str]
+
+
+class Backend:
+    """Base class of every backend.
+
+    Args:
+        device: torch device to run on; ``None`` takes the backend's default.
+        strict: run value checks that read data (a host sync); ``None`` reads
+            ``NGRAM_HAL_STRICT``.
+    """
+
+    name: ClassVar[str] = "base"
+    default_device: ClassVar[str] = "cpu"
+    proxy: ClassVar[bool] = False
+    warp_size: ClassVar[int | None] = None
+    page_sizes: ClassVar[list[int] | None] = None
+    kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+
+    def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
+        self.device = torch.device(device if device is not None else self.default_device)
+        self.strict = c.strict_from_env() if strict is None else bool(strict)
+        self.runtime = Runtime(self.device)
+
+    # ---------------------------------------------------------------- discovery
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """``(True, "")`` when the backend can run here, else ``(False, why not)``."""
+        return True, ""
+
+    @classmethod
+    def implemented_ops(cls) -> list[str]:
+        """The ops this backend class defines an ``_<op>`` for, in :data:`OPS` order."""
+        return [op for op in OPS if callable(getattr(cls, "_" + op, None))]
+
+    def capabilities(self) -> Capabilities:
+        """Ops implemented, device, proxy flag, warp width, graph capture, page sizes, KV dtypes."""
+        return Capabilities(
+            name=self.name,
+            ops=self.implemented_ops(),
+            device=str(self.device),
+            proxy=self.proxy,
+            warp_size=self.warp_size,
+            graph_capture=self.runtime.graph_capture,
+            page_sizes=self.page_sizes,
+            kv_dtypes=[str(d).removeprefix("torch.") for d in self.kv_dtypes],
+        )
+
+    def _impl(self, op: str):
+        fn = getattr(self, "_" + op, None)
+        if not callable(fn):
+            raise NotImplementedError(f"op '{op}' is not implemented by backend '{self.name}'")
+        return fn
+
+    def __repr__(self) -> str:
+        mode = "strict" if self.strict else "default"
+        return f"{type(self).__name__}(device={self.device}, {mode})"
+
+    # ---------------------------------------------------------------- runtime
+
+    def synchronize(self) -> None:
+        """Block the host until the device is idle."""
+        self.runtime.synchronize()
+
+    # ---------------------------------------------------------------- allocation
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                     free_pages: torch.Tensor, page_size: int, num_new_tokens: int) -> torch.Tensor:
+        """Slots for extending B requests from ``prefix_lens`` to ``seq_lens``.
+
+        Request b first fills the rest of its last partial page (slots ``last_loc[b]+1, ...``),
+        then takes whole pages from the head of ``free_pages``, requests in order. Page ``p``
+        holds slots ``p*page_size ... p*page_size + page_size - 1``.
+
+        Args:
+            prefix_lens, seq_lens: int64[B], ``prefix_lens <= seq_lens``.
+            last_loc: int64[B], slot of token ``prefix_lens[b]-1``, or -1 when the prefix is empty.
+            free_pages: int64[P], the free list of page ids (slot ids when ``page_size == 1``).
+            page_size: host int >= 1.
+            num_new_tokens: host int, ``sum(seq_lens - prefix_lens)``.
+        Returns:
+            int64[num_new_tokens] slot ids, request by request. Pure: the caller pops the pages.
+        """
+        op, dev = "alloc_extend", self.device
+        c.check_index(op, "prefix_lens", prefix_lens, dev, ndim=1)
+        B = prefix_lens.shape[0]
+        c.check_index(op, "seq_lens", seq_lens, dev, shape=(B,))
+        c.check_index(op, "last_loc", last_loc, dev, shape=(B,))
+        c.check_index(op, "free_pages", free_pages, dev, ndim=1)
+        c.check_int(op, "page_size", page_size, minimum=1)
+        c.check_int(op, "num_new_tokens", num_new_tokens)
+        fn = self._impl(op)
+        if self.strict:
+            if bool((seq_lens < prefix_lens).any()) or bool((prefix_lens < 0).any()):
+                raise c.ContractError(op, "seq_lens", "need 0 <= prefix_lens <= seq_lens")
+            c.value_equal(op, "num_new_tokens", int((seq_lens - prefix_lens).sum()), num_new_tokens,
+                          "sum(seq_lens - prefix_lens)")
+            pages = (-(-seq_lens // page_size) - (-(-prefix_lens // page_size))).sum()
+            if int(pages) > free_pages.numel():
+                raise c.ContractError(op, "free_pages", f"{int(pages)} pages needed, {free_pages.numel()} free")
+            bad = (prefix_lens > 0) & (last_loc < 0)
+            if bool(bad.any()):
+                raise c.ContractError(op, "last_loc", "-1 given for a request with a non-empty prefix")
+            c.value_range(op, "free_pages", free_pages, 0, 2**62, allow_sentinel=False)
+            c.value_distinct(op, "free_pages", free_pages)
+        return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens)
+
+    # ---------------------------------------------------------------- cache locations
+
+    def _check_req_rows(self, op, req_to_token, req_pool_indices, start, end):
+        dev = self.device
+        c.check_index(op, "req_to_token", req_to_token, dev, ndim=2)
+        c.check_index(op, "req_pool_indices", req_pool_indices, dev, ndim=1)
+        B = req_pool_indices.shape[0]
+        c.check_index(op, "start", start, dev, shape=(B,))
+        c.check_index(op, "end", end, dev, shape=(B,))
+        if self.strict:
+            R, M = req_to_token.shape
+            c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
+            c.value_range(op, "start", start, 0, M + 1, allow_sentinel=False)
+            c.value_range(op, "end", end, 0, M + 1, allow_sentinel=False)
+            if bool((end < start).any()):
+                raise c.ContractError(op, "end", "need start <= end")
+
+    def assign_req_to_token(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                            start: torch.Tensor, end: torch.Tensor, locs: torch.Tensor) -> None:
+        """In place: ``req_to_token[r_b, start_b:end_b] = locs[off_b : off_b + end_b - start_b]``.
+
+        Args:
+            req_to_token: int64[R, M]. req_pool_indices, start, end: int64[B].
+            locs: int64[N], ``N = sum(end - start)``; ``off`` is the running sum.
+        """
+        op = "assign_req_to_token"
+        self._check_req_rows(op, req_to_token, req_pool_indices, start, end)
+        c.check_index(op, "locs", locs, self.device, ndim=1)
+        fn = self._impl(op)
+        if self.strict:
+            c.value_equal(op, "locs", locs.numel(), int((end - start).sum()), "length vs sum(end - start)")
+        fn(req_to_token, req_pool_indices, start, end, locs)
+
+    def gather_cache_locs(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                          start: torch.Tensor, end: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """The inverse of :meth:`assign_req_to_token`: int64[N] locs concatenated in request order.
+
+        Args:
+            num_tokens: host int ``sum(end - start)``; pass it to avoid a host sync.
+        """
+        op = "gather_cache_locs"
+        self._check_req_rows(op, req_to_token, req_pool_indices, start, end)
+        if num_tokens is None:
+            num_tokens = int((end - start).sum())
+        c.check_int(op, "num_tokens", num_tokens)
+        fn = self._impl(op)
+        if self.strict:
+            c.value_equal(op, "num_tokens", int((end - start).sum()), num_tokens, "sum(end - start)")
+        return fn(req_to_token, req_pool_indices, start, end, num_tokens)
+
+    # ---------------------------------------------------------------- KV
+
+    def _check_kv(self, op, kv: "KVCache"):
+        from .memory.kv_cache import KVCache
+
+        if not isinstance(kv, KVCache):
+            raise c.ContractError(op, "kv", f"expected a KVCache, got {type(kv).__name__}")
+        if not c.same_device(kv.device, self.device):
+            raise c.ContractError(op, "kv", f"expected a cache on {self.device}, got one on {kv.device}")
+
+    def store_kv(self, kv: "KVCache", layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V rows: ``kv.k[layer, locs[i]] = k[i]`` (same for v); locs of -1 are skipped.
+
+        Args:
+            locs: int64[N]. k, v: [N, H, d] of the cache's dtype.
+        """
+        op, dev = "store_kv", self.device
+        self._check_kv(op, kv)
+        c.check_int(op, "layer", layer)
+        if layer >= kv.num_layers:
+            raise c.ContractError(op, "layer", f"layer {layer} outside [0, {kv.num_layers})")
+        c.check_index(op, "locs", locs, dev, ndim=1)
+        N = locs.shape[0]
+        shape = (N, kv.num_heads, kv.head_dim)
+        c.check_float(op, "k", k, dev, shape=shape, dtypes=(kv.dtype,))
+        c.check_float(op, "v", v, dev, shape=shape, dtypes=(kv.dtype,))
+        fn = self._impl(op)
+        if self.strict:
+            c.value_range(op, "locs", locs, 0, kv.num_slots)
+            c.value_distinct(op, "locs", locs)
+        fn(kv, layer, locs, k, v)
+
+    def move_kv(self, kv: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every layer, K and V: ``row[dst[i]] = row[src[i]]``, all reads before any write.
+
+        ``src`` may overlap ``dst``; ``dst`` entries are distinct; pairs with -1 on either side
+        and pairs with ``src == dst`` are no-ops.
+
+        Args:
+            src, dst: int64[N].
+        """
+        op, dev = "move_kv", self.device
+        self._check_kv(op, kv)
+        c.check_index(op, "src", src, dev, ndim=1)
+        c.check_index(op, "dst", dst, dev, shape=(src.shape[0],))
+        fn = self._impl(op)
+        if self.strict:
+            c.value_range(op, "src", src, 0, kv.num_slots)
+            c.value_range(op, "dst", dst, 0, kv.num_slots)
+            live = (src != c.SENTINEL) & (dst != c.SENTINEL)
+            c.value_distinct(op, "dst", dst[live])
+        fn(kv, src, dst)
+
+    def accepted_kv_moves(self, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                          seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moves that compact accepted tree nodes into the request's next positions.
+
+        For request b and ``j < accept_len_b`` (the entries of ``accept_index[b]`` before the
+        first -1): ``src = out_cache_loc[accept_index[b, j]]``,
+        ``dst = req_to_token[r_b, seq_lens[b] + j]``.
+
+        Args:
+            out_cache_loc: int64[B*D] slots of the tree nodes. accept_index: int64[B, D].
+            req_to_token: int64[R, M]. req_pool_indices, seq_lens: int64[B].
+        Returns:
+            ``(src, dst)``, each int64[B*D], entry ``b*D + j``, -1 padded. No host sync.
+        """
+        op, dev = "accepted_kv_moves", self.device
+        c.check_index(op, "accept_index", accept_index, dev, ndim=2)
+        B, D = accept_index.shape
+        c.check_index(op, "out_cache_loc", out_cache_loc, dev, shape=(B * D,))
+        c.check_index(op, "req_to_token", req_to_token, dev, ndim=2)
+        c.check_index(op, "req_pool_indices", req_pool_indices, dev, shape=(B,))
+        c.check_index(op, "seq_lens", seq_lens, dev, shape=(B,))
+        fn = self._impl(op)
+        if self.strict:
+            R, M = req_to_token.shape
+            c.value_range(op, "accept_index", accept_index, 0, B * D)
+            c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
+            if bool((seq_lens < 0).any()) or bool((seq_lens + D > M).any()):
+                raise c.ContractError(op, "seq_lens", f"need 0 <= seq_lens and seq_lens + D <= {M}")
+        return fn(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
+
+    # ---------------------------------------------------------------- tree and verify
+
+    def reconstruct_tree(self, tree_mask: torch.Tensor, seq_lens: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions and retrieve links of B draft trees.
+
+        Args:
+            tree_mask: bool[B, D, D]; ``tree_mask[b, i, j]`` when node j is node i or an ancestor.
+            seq_lens: int64[B], the position of each root.
+        Returns:
+            ``positions`` int64[B*D] (seq_len + depth), ``retrieve_index`` int64[B, D] (b*D + i),
+            ``retrieve_next_token`` int64[B, D] (first child or -1), ``retrieve_next_sibling``
+            int64[B, D] (next node with the same parent or -1).
+        """
+        op, dev = "reconstruct_tree", self.device
+        c.check_mask(op, "tree_mask", tree_mask, dev, ndim=3)
+        B, D, D2 = tree_mask.shape
+        if D != D2 or D < 1:
+            raise c.ContractError(op, "tree_mask", f"expected shape (B, D, D) with D >= 1, got {tuple(tree_mask.shape)}")
+        c.check_index(op, "seq_lens", seq_lens, dev, shape=(B,))
+        fn = self._impl(op)
+        if self.strict:
+            c.value_tree_mask(op, "tree_mask", tree_mask)
+            c.value_range(op, "seq_lens", seq_lens, 0, 2**62, allow_sentinel=False)
+        return fn(tree_mask, seq_lens)
+
+    def _check_retrieve(self, op, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling):
+        dev = self.device
+        c.check_index(op, "candidates", candidates, dev, ndim=2)
+        B, D = candidates.shape
+        for name, t in (("retrieve_index", retrieve_index), ("retrieve_next_token", retrieve_next_token),
+                        ("retrieve_next_sibling", retrieve_next_sibling)):
+            c.check_index(op, name, t, dev, shape=(B, D))
+        if self.strict:
+            c.value_range(op, "retrieve_index", retrieve_index, 0, B * D, allow_sentinel=False)
+            c.value_range(op, "retrieve_next_token", retrieve_next_token, 1, D)
+            c.value_range(op, "retrieve_next_sibling", retrieve_next_sibling, 1, D)
+        return B, D
+
+    def verify_tree_greedy(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
+                           retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
+                           target_predict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy tree verification.
+
+        Walk from the root; at each node take the child whose token equals the target's argmax
+        there; stop when none does.
+
+        Args:
+            candidates: int64[B, D] draft tokens (node 0 the root token).
+            retrieve_*: int64[B, D] from :meth:`reconstruct_tree`.
+            target_predict: int64[B, D], the target's argmax after each node.
+        Returns:
+            ``predicts`` int64[B*D] (at each accepted node, the target's token after it; 0
+            elsewhere), ``accept_index`` int64[B, D] (flat ids of the root and accepted nodes,
+            in order, -1 padded), ``accept_len`` int64[B] (accepted drafts + 1).
+            Committed tokens: ``predicts[accept_index[b, :accept_len[b]]]``.
+        """
+        op = "verify_tree_greedy"
+        B, D = self._check_retrieve(op, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling)
+        c.check_index(op, "target_predict", target_predict, self.device, shape=(B, D))
+        fn = self._impl(op)
+        return fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict)
+
+    def verify_tree_sample(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
+                           retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
+                           target_probs: torch.Tensor, uniform_samples: torch.Tensor,
+                           uniform_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Target-only tree rejection sampling: committed tokens follow ``target_probs`` exactly.
+
+        At a node with target distribution q (initially ``target_probs[b, node]``), children are
+        tried in sibling order: child i with token t is accepted when
+        ``uniform_samples[b, i] * sum(q) < q[t]``; otherwise ``q[t] = 0`` and the next child is
+        tried. An accepted child becomes the current node; when all children are rejected (or
+        the node has none), the bonus token is drawn from the residual q by inverse CDF with
+        ``uniform_final[b]``: the smallest t with ``cumsum(q)[t] > uniform_final[b] * sum(q)``
+        (so a token of zero probability is never drawn). ``predicts`` holds, at each accepted
+        node, the accepted child's token or, at the last one, the bonus token.
+
+        Args:
+            candidates, retrieve_*: as in :meth:`verify_tree_greedy`.
+            target_probs: float[B, D, V], rows sum to 1 (temperature/top-k/top-p already applied).
+            uniform_samples: float[B, D] in [0, 1), the coin for each node's acceptance test.
+            uniform_final: float[B] in [0, 1), the coin for the bonus token.
+        Returns:
+            The outputs of :meth:`verify_tree_greedy`.
+        """
+        op, dev = "verify_tree_sample", self.device
+        B, D = self._check_retrieve(op, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling)
+        c.check_float(op, "target_probs", target_probs, dev, ndim=3)
+        if tuple(target_probs.shape[:2]) != (B, D):
+            raise c.ContractError(op, "target_probs", f"expected shape ({B}, {D}, V), got {tuple(target_probs.shape)}")
+        c.check_float(op, "uniform_samples", uniform_samples, dev, shape=(B, D))
+        c.check_float(op, "uniform_final", uniform_final, dev, shape=(B,))
+        fn = self._impl(op)
+        if self.strict:
+            c.value_range(op, "candidates", candidates, 0, target_probs.shape[2], allow_sentinel=False)
+        return fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                  target_probs, uniform_samples, uniform_final)
+
+    # ---------------------------------------------------------------- attention
+
+    def attention(self, q: torch.Tensor, kv: "KVCache", layer: int, req_to_token: torch.Tensor,
+                  req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
+                  sm_scale: float, tree_mask: torch.Tensor | None = None,
+                  max_kv_len: int | None = None) -> torch.Tensor:
+        """Paged attention of B requests' queries over the KV cache (prefill, decode, tree).
+
+        Request b has ``q_lens[b]`` queries (rows of ``q``, requests concatenated in order) for
+        its last ``q_lens[b]`` positions out of ``kv_lens[b]``; its KV rows are
+        ``kv[layer, req_to_token[r_b, :kv_lens[b]]]``. Query i sees every position before the
+        block of new ones and, inside the block, position j when ``j <= i`` (causal) or, given
+        ``tree_mask`` (all ``q_lens == D``), when ``tree_mask[b, i, j]``. Grouped-query: query
+        head h reads kv head ``h // (Hq // H)``.
+
+        Args:
+            q: float[N, Hq, d], ``N = sum(q_lens)``, the cache's dtype.
+            kv_lens, q_lens: int64[B], ``q_lens <= kv_lens``.
+            sm_scale: softmax scale. tree_mask: bool[B, D, D] or None.
+            max_kv_len: host int >= max(kv_lens); lets a backend size buffers without a sync.
+        Returns:
+            float[N, Hq, d] in q's dtype.
+        """
+        op, dev = "attention", self.device
+        self._check_kv(op, kv)
+        c.check_int(op, "layer", layer)
+        if layer >= kv.num_layers:
+            raise c.ContractError(op, "layer", f"layer {layer} outside [0, {kv.num_layers})")
+        c.check_float(op, "q", q, dev, ndim=3, dtypes=(kv.dtype,))
+        if q.shape[2] != kv.head_dim or q.shape[1] % kv.num_heads != 0:
+            raise c.ContractError(op, "q", f"expected shape (N, k*{kv.num_heads}, {kv.head_dim}), got {tuple(q.shape)}")
+        c.check_index(op, "req_to_token", req_to_token, dev, ndim=2)
+        c.check_index(op, "req_pool_indices", req_pool_indices, dev, ndim=1)
+        B = req_pool_indices.shape[0]
+        c.check_index(op, "kv_lens", kv_lens, dev, shape=(B,))
+        c.check_index(op, "q_lens", q_lens, dev, shape=(B,))
+        if tree_mask is not None:
+            c.check_mask(op, "tree_mask", tree_mask, dev, ndim=3)
+            if tree_mask.shape[0] != B or tree_mask.shape[1] != tree_mask.shape[2]:
+                raise c.ContractError(op, "tree_mask", f"expected shape ({B}, D, D), got {tuple(tree_mask.shape)}")
+            if q.shape[0] != B * tree_mask.shape[1]:
+                raise c.ContractError(op, "q", f"with a tree mask q needs B*D = {B * tree_mask.shape[1]} rows, got {q.shape[0]}")
+        if max_kv_len is not None:
+            c.check_int(op, "max_kv_len", max_kv_len)
+        fn = self._impl(op)
+        if self.strict:
+            c.value_equal(op, "q", q.shape[0], int(q_lens.sum()), "rows vs sum(q_lens)")
+            if bool((q_lens > kv_lens).any()) or bool((q_lens < 0).any()):
+                raise c.ContractError(op, "q_lens", "need 0 <= q_lens <= kv_lens")
+            R, M = req_to_token.shape
+            c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
+            c.value_range(op, "kv_lens", kv_lens, 0, M + 1, allow_sentinel=False)
+            if max_kv_len is not None and B and int(kv_lens.max()) > max_kv_len:
+                raise c.ContractError(op, "max_kv_len", "smaller than max(kv_lens)")
+            if tree_mask is not None:
+                c.value_tree_mask(op, "tree_mask", tree_mask)
+        return fn(q, kv, layer, req_to_token, req_pool_indices, kv_lens, q_lens, sm_scale, tree_mask, max_kv_len)

@@ -1,0 +1,194 @@
+"""The ``ngram-hal`` command line.
+
+``ngram-hal backends``     registered backends, their availability and why not
+``ngram-hal conformance``  run the conformance suite on one backend (JUnit + JSON report)
+``ngram-hal matrix``       merge conformance JSON reports into one backend x test matrix
+``ngram-hal run|bench``    the engine's commands, registered when ``ngram_hal.engine.commands`` exists
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import matrix
+from .backend import OPS
+from .registry import list_backends
+
+CONFORMANCE_PACKAGE = "ngram_hal_conformance"
+CONFORMANCE_PLUGIN = "ngram_hal_conformance.plugin"
+ENGINE_COMMANDS = "ngram_hal.engine.commands"
+
+
+def _yes_no(flag: bool | None) -> Text:
+    if flag is None:
+        return Text("-", style="dim")
+    return Text("yes", style="green") if flag else Text("no", style="red")
+
+
+def backends_command(args: argparse.Namespace) -> int:
+    """List every registered backend: package, version, availability, reason, proxy, ops."""
+    infos = list_backends()
+    if args.json:
+        print(json.dumps([info.model_dump() for info in infos], indent=2))
+        return 0
+    table = Table(title="ngram-hal backends")
+    for column in ("name", "package", "version", "available"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("reason", overflow="fold", ratio=1)
+    table.add_column("proxy", no_wrap=True)
+    table.add_column("ops", no_wrap=True)
+    for info in infos:
+        table.add_row(info.name, info.package or "?", info.version or "?", _yes_no(info.available),
+                      Text(info.reason), "-" if info.proxy is None else ("yes" if info.proxy else "no"),
+                      f"{len(info.ops)}/{len(OPS)}")
+    Console().print(table)
+    return 0
+
+
+def _conformance_summary(report: matrix.Report, console: Console) -> None:
+    tiers = sorted({t.tier or "" for t in report.tests}, key=lambda t: matrix.sort_key(t, matrix.TIERS))
+    counts = {tier: Counter(t.outcome for t in report.tests if (t.tier or "") == tier) for tier in tiers}
+    title = f"conformance: {report.backend} on {report.device or '?'}" + (" (proxy)" if report.proxy else "")
+    table = Table(title=title)
+    table.add_column("tier")
+    for outcome in matrix.OUTCOMES:
+        table.add_column(outcome, justify="right")
+    total: Counter = Counter()
+    for tier in tiers:
+        total.update(counts[tier])
+        table.add_row(tier or "(none)", *(str(counts[tier][o]) for o in matrix.OUTCOMES))
+    table.add_row(Text("total", style="bold"), *(Text(str(total[o]), style="bold") for o in matrix.OUTCOMES))
+    console.print(table)
+    for t in report.tests:
+        if t.outcome in ("failed", "error"):
+            console.print(Text(f"{t.outcome.upper()} {t.id}: {matrix.first_line(t.message)}", style="red"))
+
+
+def conformance_command(args: argparse.Namespace) -> int:
+    """Run the conformance suite on ``--backend`` through pytest; returns pytest's exit code."""
+    if importlib.util.find_spec(CONFORMANCE_PACKAGE) is None:
+        print("error: the conformance suite is not installed: pip install -e conformance", file=sys.stderr)
+        return 4
+    import pytest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report_path = Path(args.json) if args.json else Path(tmp) / "conformance.json"
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        report_path.unlink(missing_ok=True)
+        argv = ["--pyargs", CONFORMANCE_PACKAGE, "--backend", args.backend, "--strict-mode", args.strict_mode,
+                "--report-json", str(report_path)]
+        if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+            argv += ["-p", CONFORMANCE_PLUGIN]
+        if args.device:
+            argv += ["--device", args.device]
+        if args.xfails:
+            argv += ["--xfails-file", args.xfails]
+        if args.junit:
+            Path(args.junit).parent.mkdir(parents=True, exist_ok=True)
+            argv += ["--junitxml", args.junit]
+        if args.max_examples is not None:
+            argv += ["--max-examples", str(args.max_examples)]
+        if args.k:
+            argv += ["-k", args.k]
+        code = int(pytest.main(argv))
+        try:
+            _conformance_summary(matrix.load_report(report_path), Console())
+        except ValueError as exc:
+            print(f"error: no usable conformance report (pytest exit code {code}): {exc}", file=sys.stderr)
+    return code
+
+
+def matrix_command(args: argparse.Namespace) -> int:
+    """Merge conformance reports; write markdown/HTML, or print markdown when neither is asked."""
+    try:
+        merged = matrix.merge_files(args.reports)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    outputs = ((args.markdown, matrix.to_markdown), (args.html, matrix.to_html))
+    for path, render in outputs:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(render(merged), encoding="utf-8")
+            console.print(f"wrote {path}")
+    if not (args.markdown or args.html):
+        sys.stdout.write(matrix.to_markdown(merged))
+    table = Table(title=f"matrix: {len(merged.rows)} tests x {len(merged.columns)} backends")
+    table.add_column("backend")
+    table.add_column("tests")
+    for column in merged.columns:
+        table.add_row(column.label, matrix.summary_text(column.counts(merged.test_ids)))
+    console.print(table)
+    return 0
+
+
+def _engine_commands() -> ModuleType | None:
+    """``ngram_hal.engine.commands`` when it exists, else None."""
+    try:
+        spec = importlib.util.find_spec(ENGINE_COMMANDS)
+    except ModuleNotFoundError:
+        return None
+    return None if spec is None else importlib.import_module(ENGINE_COMMANDS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ngram-hal`` parser; each subcommand sets ``func(args) -> int``."""
+    parser = argparse.ArgumentParser(
+        prog="ngram-hal", description="N-gram speculative decoding on any accelerator, through one HAL.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("backends", help="list registered backends and whether they can run here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=backends_command)
+
+    p = sub.add_parser("conformance", help="run the conformance suite on one backend")
+    p.add_argument("--backend", required=True, help="registered backend name (see `ngram-hal backends`)")
+    p.add_argument("--device", help="torch device to create the backend on (default: the backend's default)")
+    p.add_argument("--xfails", metavar="FILE", help="expected failures: one test id a line, '#' comments")
+    p.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report (schema ngram-hal-conformance/1)")
+    p.add_argument("--strict-mode", choices=("both", "on", "off"), default="both",
+                   help="test strict=True instances, strict=False ones, or both (default)")
+    p.add_argument("--max-examples", type=int, metavar="N", help="hypothesis examples per property test")
+    p.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    p.set_defaults(func=conformance_command)
+
+    p = sub.add_parser("matrix", help="merge conformance JSON reports into one backend x test matrix")
+    p.add_argument("reports", nargs="+", metavar="REPORT.json")
+    p.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
+    p.add_argument("--html", metavar="PATH", help="write the matrix as a self-contained HTML page")
+    p.set_defaults(func=matrix_command)
+
+    engine = _engine_commands()
+    if engine is not None:
+        p = sub.add_parser("run", help="generate text with the engine")
+        engine.add_run_arguments(p)
+        p.set_defaults(func=engine.run_command)
+        p = sub.add_parser("bench", help="benchmark the engine")
+        engine.add_bench_arguments(p)
+        p.set_defaults(func=engine.bench_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ngram-hal`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

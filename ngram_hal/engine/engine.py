@@ -1,0 +1,474 @@
+"""The engine: continuous batching, n-gram speculative decoding and the overlap loop.
+
+A step is a prefill (newly admitted requests: prompt forward, first token sampled) or a verify
+step (every running request: a draft tree of D nodes whose root is the request's last committed
+token, one target forward over all B*D nodes, greedy or sampled tree verify, KV compaction).
+With D == 1 the tree is the root alone and a verify step is a plain decode step.
+
+What the overlap loop overlaps. Each launched step copies its results (committed tokens, their
+counts, logprobs) into host buffers and records an event; the device-side state the next step
+needs (last tokens, lengths) stays on the device in an :class:`OverlapRelay`. The host blocks
+only in that event's ``synchronize()``. One call of :meth:`Engine.step`:
+
+* without speculation (D == 1): schedules step t+1 (admission, slot allocation, inputs built
+  from the relay) and enqueues it while the device is still on step t, *then* waits for step t
+  and processes it (token commit, stop tokens and strings, detokenization, streaming outputs,
+  freeing finished requests) while the device computes step t+1. No host work is on the
+  device's critical path.
+* with speculation (D > 1): the draft of step t+1 needs step t's accepted tokens, so the host
+  first waits for step t and does the token-level part (commit, stop tokens, ``max_new_tokens``,
+  drafter update); then it drafts, schedules, allocates and enqueues step t+1; only then does it
+  do the text-level part of step t (detokenization, stop strings, outputs, freeing) while the
+  device computes step t+1. Between steps the device waits for the results copy, the token-level
+  commit, the drafting and the launch of step t+1. The relay still carries the roots and lengths
+  on the device; only the D-1 draft tokens per request and the tree masks are uploaded.
+
+A request that turns out to have finished at step t may already be in step t+1; its results
+there are dropped. On the CPU the device runs eagerly inside the launch, so the loop has the same
+structure but nothing actually runs concurrently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..spec.relay import OverlapRelay
+from ..spec.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
+from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .model import ForwardBatch, LlamaModel
+from .overlap import InflightStep, Transfer
+from .policy import SpecPolicy
+from .request import Request, RequestOutput, SamplingParams, Status
+from .sampling import SamplingBatch, draw_uniforms, sample_from_probs, token_logprobs
+from .scheduler import Scheduler
+from .stopping import check_stop_strings, commit_tokens
+
+
+class EngineConfig(BaseModel):
+    """Engine settings.
+
+    ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
+    ``spec_policy="auto"`` lets each verify step use D or 1 node, whichever is measured faster
+    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D.
+    ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
+    the positions one request may use (prompt, output and ``3*D`` of speculation room).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec_nodes: int = Field(8, ge=1)
+    drafter: Literal["trie", "linear"] = "trie"
+    spec_policy: Literal["always", "auto"] = "always"
+    probe_every: int = Field(16, ge=1)
+    overlap: bool = True
+    num_slots: int = Field(16384, ge=1)
+    max_running: int = Field(32, ge=1)
+    max_context_len: int = Field(2048, ge=8)
+    max_prefill_tokens: int = Field(4096, ge=1)
+    seed: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine's life. Times are host seconds.
+
+    ``launch_s``: enqueuing steps (on the CPU this includes the compute itself).
+    ``wait_s``: blocked on a step's event. ``process_s``: host work on a step's results done
+    after the next step was enqueued (hidden behind the device on accelerators).
+    ``critical_s``: host work on results done before the next step could be enqueued.
+    """
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_rows: int = 0
+    launch_s: float = 0.0
+    wait_s: float = 0.0
+    process_s: float = 0.0
+    critical_s: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per request per verify step."""
+        return self.decode_tokens / self.decode_rows if self.decode_rows else 0.0
+
+
+def make_drafter(kind: str):
+    """The drafter named ``kind`` (``"trie"`` or ``"linear"``) with its default settings."""
+    from ..spec.drafter import LinearDrafter, TrieDrafter
+
+    return {"trie": TrieDrafter, "linear": LinearDrafter}[kind]()
+
+
+class Engine:
+    """Generates for many requests at once over one model and one KV cache.
+
+    Args:
+        model: the target model; its backend runs every device op.
+        tokenizer: needed for text prompts, stop strings and output text; optional otherwise.
+        config: :class:`EngineConfig`.
+        drafter: a :class:`ngram_hal.spec.drafter.Drafter`; default from ``config.drafter``.
+        eos_token_ids: tokens that end a request (unless ``ignore_eos``); default the model's EOS.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, drafter=None,
+                 eos_token_ids: Sequence[int] | None = None):
+        self.config = config or EngineConfig()
+        self.model = model
+        self.backend = model.backend
+        self.tokenizer = tokenizer
+        self.num_nodes = self.config.spec_nodes
+        self.transfer = Transfer(self.backend.runtime)
+        self.device = self.backend.device
+        self.kv = model.new_kv_cache(self.config.num_slots)
+        self.sched = Scheduler(self.backend, self.transfer, self.config.num_slots, self.config.max_running,
+                               self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens)
+        self.drafter = drafter if drafter is not None else (
+            make_drafter(self.config.drafter) if self.num_nodes > 1 else None)
+        if eos_token_ids is None:
+            eos = model.config.eos_token_id
+            eos_token_ids = [] if eos is None else [eos]
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
+        self.relay = OverlapRelay.empty(self.num_nodes, self.device)
+        self._last_done: tuple[str, float] | None = None
+        self.inflight: InflightStep | None = None
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._seeds = torch.Generator().manual_seed(self.config.seed)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        ``prompt`` is text (needs a tokenizer) or token ids. Bad arguments raise ``ValueError``
+        and change nothing. A request that can never run (its prompt leaves no room in the
+        context, or it needs more slots than the cache has) is accepted and finishes at once
+        with ``finish_reason == "error"`` and a message; other requests are unaffected.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be ints in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("params.stop: stop strings need a tokenizer")
+        if rid is not None and rid in self._requests:
+            raise ValueError(f"rid: request '{rid}' is still in the engine")
+        req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
+        req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+            req.generator = torch.Generator().manual_seed(seed)
+        error = self.sched.check(req)
+        self._requests[req.rid] = req
+        if error is not None:
+            req.finish("error", error)
+            self._report(req)
+        else:
+            self.sched.waiting.append(req)
+        return req.rid
+
+    def abort(self, rid: str) -> bool:
+        """End a waiting or running request now, freeing its slots; False if it is unknown or done.
+
+        If one of its steps is in flight, that step's results for it are dropped.
+        """
+        req = self._requests.get(rid)
+        if req is None or req.finished:
+            return False
+        if req.status is Status.WAITING:
+            self.sched.waiting.remove(req)
+        req.finish("abort")
+        self._release([req])
+        self._report(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running, in flight or has an output not yet returned."""
+        return bool(self.sched.waiting or self.sched.running or self.inflight is not None or self._pending)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; the final output of each, in order."""
+        rids = self._add_all(prompts, params)
+        final = {out.rid: out for out in self.follow(rids) if out.finished}
+        return [final[rid] for rid in rids]
+
+    def stream(self, prompts: Sequence[str | Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Add ``prompts`` and yield their incremental outputs as steps produce them.
+
+        Each output carries the tokens and text added since the previous one of its request; the
+        last one of a request has ``finished`` set.
+        """
+        return self.follow(self._add_all(prompts, params))
+
+    def _add_all(self, prompts, params) -> list[str]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        rids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                rids.append(self.add_request(p, sp))
+        except ValueError:
+            dropped = set(rids)
+            for rid in rids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.rid not in dropped]
+            raise
+        return rids
+
+    def follow(self, rids: Sequence[str]) -> Iterator[RequestOutput]:
+        """Step the engine until the requests ``rids`` have finished, yielding their outputs.
+
+        Other requests in the engine advance too; their outputs are not yielded.
+        """
+        mine, live = set(rids), set(rids)
+        while live:
+            if not self.has_unfinished():
+                raise KeyError(f"rids: not in the engine: {sorted(live)}")
+            for out in self.step():
+                if out.rid in mine:
+                    if out.finished:
+                        live.discard(out.rid)
+                    yield out
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Run one turn of the loop (see the module docstring); outputs of requests that advanced."""
+        outputs, self._pending = self._pending, []
+        if not self.config.overlap:
+            step = self._launch()
+            if step is not None:
+                self._absorb(step, critical=True)
+                outputs += self._process(step, hidden=False)
+            return outputs
+        prev, self.inflight = self.inflight, None
+        if prev is not None and self.num_nodes > 1:
+            self._absorb(prev, critical=True)
+        self.inflight = self._launch()
+        if prev is not None:
+            if not prev.absorbed:
+                self._absorb(prev, critical=False)
+            outputs += self._process(prev, hidden=self.inflight is not None)
+        return outputs
+
+    def _launch(self) -> InflightStep | None:
+        admitted = self.sched.admit()
+        if admitted:
+            return self._launch_prefill(admitted)
+        if self.sched.running:
+            return self._launch_decode(list(self.sched.running))
+        return None
+
+    def _launch_prefill(self, reqs: list[Request]) -> InflightStep:
+        start = time.perf_counter()
+        up, be, D = self.transfer.upload, self.backend, self.num_nodes
+        lens = [len(r.prompt_ids) for r in reqs]
+        B, N = len(reqs), sum(lens)
+        if self.drafter is not None:
+            for r in reqs:
+                self.drafter.add_request(r.rid, r.prompt_ids)
+        rows, lens_dev = up([r.row for r in reqs]), up(lens)
+        out_cache_loc = be.gather_cache_locs(self.sched.req_to_token, rows, torch.zeros_like(lens_dev), lens_dev,
+                                             num_tokens=N)
+        batch = ForwardBatch(
+            input_ids=up([t for r in reqs for t in r.prompt_ids]),
+            positions=up([p for n in lens for p in range(n)]),
+            out_cache_loc=out_cache_loc, req_to_token=self.sched.req_to_token, req_pool_indices=rows,
+            kv_lens=lens_dev, q_lens=lens_dev, tree_mask=None, max_kv_len=max(lens),
+            logits_index=up([end - 1 for end in accumulate(lens)]))
+        logits = self.model.forward(batch, self.kv)
+        sampling = SamplingBatch([r.params for r in reqs], 1, up)
+        if sampling.all_greedy:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = sample_from_probs(sampling.probs(logits), up(draw_uniforms([r.generator for r in reqs], 1)[:, 0]))
+        accept = torch.full((B, D), -1, dtype=torch.int64, device=self.device)
+        accept[:, 0] = tokens
+        relay = OverlapRelay(accept.view(-1), torch.ones(B, dtype=torch.int64, device=self.device), lens_dev, D)
+        self.relay = self.relay.merge(relay)
+        logprobs = None
+        if any(r.params.logprobs for r in reqs):
+            logprobs = torch.zeros((B, D), dtype=torch.float32, device=self.device)
+            logprobs[:, 0] = token_logprobs(logits, tokens)
+            logprobs = logprobs.view(-1)
+        for r, n in zip(reqs, lens):
+            r.seq_len = n
+            r.inflight += 1
+        self.stats.prefill_steps += 1
+        return self._ship("prefill", reqs, relay, logprobs, start)
+
+    def _launch_decode(self, reqs: list[Request]) -> InflightStep:
+        start = time.perf_counter()
+        up, be, D = self.transfer.upload, self.backend, self.num_nodes
+        n = self.policy.choose()
+        B = len(reqs)
+        bounds = [r.seq_bound(D) for r in reqs]
+        self.sched.reserve(reqs, bounds)
+        relay, r2t = self.relay, self.sched.req_to_token
+        seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
+        if n > 1:
+            draft = self.drafter.draft([r.rid for r in reqs], n)
+            drafts = up(draft.tokens).view(B, n)
+            tokens = torch.cat([roots.unsqueeze(1), drafts[:, 1:]], dim=1).view(-1)
+            tree_mask = up(draft.tree_mask)
+        else:
+            tokens = roots.contiguous()
+            tree_mask = torch.ones((B, 1, 1), dtype=torch.bool, device=self.device)
+        rows = up([r.row for r in reqs])
+        tree = prepare_tree(be, tokens, tree_mask, seq_lens)
+        out_cache_loc = tree_cache_locs(be, r2t, rows, seq_lens, n)
+        batch = ForwardBatch(
+            input_ids=tokens, positions=tree.positions, out_cache_loc=out_cache_loc, req_to_token=r2t,
+            req_pool_indices=rows, kv_lens=seq_lens + n,
+            q_lens=torch.full((B,), n, dtype=torch.int64, device=self.device),
+            tree_mask=tree_mask if n > 1 else None, max_kv_len=max(bounds) + n, logits_index=None)
+        logits = self.model.forward(batch, self.kv)
+        sampling = SamplingBatch([r.params for r in reqs], n, up)
+        if sampling.all_greedy:
+            out = verify_greedy(be, tree, logits)
+        else:
+            coins = up(draw_uniforms([r.generator for r in reqs], n + 1))
+            out = verify_sample(be, tree, sampling.probs(logits), uniform_samples=coins[:, :n].contiguous(),
+                                uniform_final=coins[:, n].contiguous())
+        result = commit(be, self.kv, out, out_cache_loc, r2t, rows, seq_lens)
+        logprobs = None
+        if any(r.params.logprobs for r in reqs):
+            node_lp = token_logprobs(logits, out.predicts)
+            index = out.accept_index.view(-1)
+            logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
+        self.relay = result if n == D else self._widen(result)
+        for r in reqs:
+            r.inflight += 1
+        self.stats.decode_steps += 1
+        return self._ship("decode", reqs, result, logprobs, start)
+
+    def _widen(self, relay: OverlapRelay) -> OverlapRelay:
+        """The relay of a step run with fewer nodes, laid out with the engine's stride D."""
+        B, n = relay.batch_size, relay.num_nodes
+        tokens = torch.full((B, self.num_nodes), -1, dtype=torch.int64, device=self.device)
+        tokens[:, :n] = relay.accept_tokens.view(B, n)
+        return OverlapRelay(tokens.view(-1), relay.accept_lens, relay.new_seq_lens, self.num_nodes)
+
+    def _ship(self, kind: str, reqs: list[Request], relay: OverlapRelay, logprobs: torch.Tensor | None,
+              start: float) -> InflightStep:
+        down = self.transfer.download
+        runtime = self.backend.runtime
+        step = InflightStep(kind, reqs, relay.num_nodes, down(relay.accept_tokens), down(relay.accept_lens),
+                            None if logprobs is None else down(logprobs), runtime.new_event())
+        step.event.record(runtime.current_stream())
+        step.launch_s = time.perf_counter() - start
+        self.stats.launch_s += step.launch_s
+        return step
+
+    def _absorb(self, step: InflightStep, critical: bool) -> None:
+        """Token level: wait for ``step``, commit its tokens, apply stop tokens and length, feed the drafter."""
+        step.wait()
+        start = time.perf_counter()
+        D = step.num_nodes
+        tokens, lens = step.tokens.tolist(), step.lens.tolist()
+        logprobs = step.logprobs.tolist() if step.logprobs is not None else None
+        ended, rows, committed = [], 0, 0
+        for b, r in enumerate(step.reqs):
+            r.inflight -= 1
+            if r.finished:
+                continue
+            n = lens[b]
+            run = tokens[b * D:b * D + n]
+            if step.kind == "decode":
+                r.seq_len += n
+                r.verify_steps += 1
+                rows += 1
+                committed += n
+            commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
+            if r.finished:
+                ended.append(r)
+            elif self.drafter is not None:
+                self.drafter.extend(r.rid, run)
+        self._release(ended)
+        step.absorbed = True
+        self._observe(step, rows, committed)
+        self.stats.wait_s += step.wait_s
+        elapsed = time.perf_counter() - start
+        if critical:
+            self.stats.critical_s += elapsed
+        else:
+            self.stats.process_s += elapsed
+
+    def _observe(self, step: InflightStep, rows: int, committed: int) -> None:
+        """Feed a finished step to the statistics and the speculation policy."""
+        done = step.done_at
+        if step.kind == "decode":
+            self.stats.decode_tokens += committed
+            self.stats.decode_rows += rows
+            last = self._last_done
+            self.policy.observe(step.num_nodes, rows, committed,
+                                done - last[1] if last is not None and last[0] == "decode" else None)
+        self._last_done = (step.kind, done)
+
+    def _process(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:
+        """Text level: stop strings and detokenization, outputs, freeing finished requests."""
+        start = time.perf_counter()
+        outputs, ended = [], []
+        for r in step.reqs:
+            if r.reported:
+                continue
+            check_stop_strings(r)
+            if r.finished:
+                ended.append(r)
+                outputs.append(self._report(r, pending=False))
+            elif r.emitted_tokens < len(r.output_ids):
+                outputs.append(r.take_output())
+        self._release(ended)
+        elapsed = time.perf_counter() - start
+        if hidden:
+            self.stats.process_s += elapsed
+        else:
+            self.stats.critical_s += elapsed
+        return outputs
+
+    def _release(self, reqs: list[Request]) -> None:
+        """Drop finished requests from the batch and the relay, and free their rows and slots."""
+        held = [r for r in reqs if r.row >= 0]
+        if not held:
+            return
+        gone = set(map(id, held))
+        running = self.sched.running
+        keep = [i for i, r in enumerate(running) if id(r) not in gone]
+        if len(keep) < len(running):
+            self.relay = self.relay.filter(self.transfer.upload(keep))
+        if self.drafter is not None:
+            for r in held:
+                self.drafter.erase(r.rid)
+        self.sched.release(held)
+
+    def _report(self, req: Request, pending: bool = True) -> RequestOutput:
+        out = req.take_output()
+        req.reported = True
+        self._requests.pop(req.rid, None)
+        if pending:
+            self._pending.append(out)
+        return out

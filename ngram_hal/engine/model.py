@@ -1,0 +1,233 @@
+"""A Llama-family decoder in plain torch that keeps its K/V in the HAL's paged cache.
+
+Per layer: RMSNorm, fused QKV projection, rotary embeddings at each token's position,
+``backend.store_kv`` of the new K/V rows, ``backend.attention`` over the cache, output projection,
+RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``; the only model-side ops that touch
+the cache go through the backend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import contract as c
+from ..backend import Backend
+from ..memory.kv_cache import KVCache
+from .config import LlamaConfig
+from .gguf_loader import TokenizerMetadata, load_gguf
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass over N new tokens of B requests (all index tensors int64 on the device).
+
+    Request b contributes ``q_lens[b]`` consecutive rows of ``input_ids`` (requests in order);
+    its tokens' K/V go to ``out_cache_loc`` (-1: not stored) and the caller has already put those
+    slots into ``req_to_token[req_pool_indices[b], kv_lens[b] - q_lens[b] : kv_lens[b]]``.
+
+    Attributes:
+        input_ids: int64[N] token ids.
+        positions: int64[N] rotary positions (``kv_lens[b] - q_lens[b] + i`` for plain extends;
+            ``seq_len + depth`` for tree nodes).
+        out_cache_loc: int64[N] slot of each token's K/V, -1 to skip.
+        req_to_token: int64[R, M]. req_pool_indices, kv_lens, q_lens: int64[B].
+        tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), else None (causal).
+        max_kv_len: host int >= max(kv_lens); None computes it once per forward (a host sync).
+        logits_index: int64[K] rows of N whose logits are returned; None returns all N.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    q_lens: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+    max_kv_len: int | None = None
+    logits_index: torch.Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position, float32 math: two ``[N, 1, head_dim]`` tensors of ``dtype``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                               .float() / head_dim))
+    freqs = positions.float().unsqueeze(1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [N, heads, d] by the "rotate half" convention (pairs ``i`` and ``i + d/2``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _required_weights(config: LlamaConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + n for n in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                  "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                                  "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    return names
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded float32 CPU weights under Hugging Face names: projections normal with std 0.02,
+    norm weights normal around 1 with std 0.1."""
+    gen = torch.Generator().manual_seed(seed)
+    hd, inter = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hd), "model.norm.weight": (hd,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hd)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hd,), p + "post_attention_layernorm.weight": (hd,),
+            p + "self_attn.q_proj.weight": (q_out, hd), p + "self_attn.k_proj.weight": (kv_out, hd),
+            p + "self_attn.v_proj.weight": (kv_out, hd), p + "self_attn.o_proj.weight": (hd, q_out),
+            p + "mlp.gate_proj.weight": (inter, hd), p + "mlp.up_proj.weight": (inter, hd),
+            p + "mlp.down_proj.weight": (hd, inter),
+        })
+    weights = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        weights[name] = 1.0 + 0.1 * noise if len(shape) == 1 else 0.02 * noise
+    return weights
+
+
+class LlamaModel:
+    """Llama decoder over a :class:`KVCache`, its attention and K/V writes done by ``backend``.
+
+    Args:
+        config: the model's shape.
+        weights: Hugging Face Llama names -> tensors (as :func:`load_gguf` returns); moved to
+            ``backend.device`` and cast to ``dtype``.
+        backend: the HAL backend that stores K/V and runs attention.
+        dtype: float32, float16 or bfloat16; also the KV cache's dtype.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], backend: Backend,
+                 dtype: torch.dtype = torch.float32):
+        missing = [n for n in _required_weights(config) if n not in weights]
+        if missing:
+            raise ValueError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
+        if dtype not in KVCache.DTYPES:
+            raise ValueError(f"dtype must be one of {KVCache.DTYPES}, got {dtype}")
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.dtype = dtype
+        self.tokenizer_metadata: TokenizerMetadata | None = None
+        self.scale = config.head_dim ** -0.5
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(_Layer(
+                attn_norm=w(p + "input_layernorm.weight"),
+                wqkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                w(p + "self_attn.v_proj.weight")]),
+                wo=w(p + "self_attn.o_proj.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                w_down=w(p + "mlp.down_proj.weight"),
+            ))
+
+    @classmethod
+    def from_gguf(cls, backend: Backend, path: str | os.PathLike | None = None,
+                  dtype: torch.dtype = torch.float32) -> "LlamaModel":
+        """Load a GGUF file (default: the SmolLM2-135M-Instruct file, see :func:`find_model_file`).
+
+        The file's tokenizer metadata is kept as ``tokenizer_metadata``
+        (``Tokenizer(model.tokenizer_metadata)`` builds the tokenizer without reading the file again).
+        """
+        config, weights, tokenizer = load_gguf(path, dtype=dtype)
+        model = cls(config, weights, backend, dtype)
+        model.tokenizer_metadata = tokenizer
+        return model
+
+    @classmethod
+    def random(cls, config: LlamaConfig, backend: Backend, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> "LlamaModel":
+        """A model with the seeded weights of :func:`random_weights`."""
+        return cls(config, random_weights(config, seed), backend, dtype)
+
+    def new_kv_cache(self, num_slots: int) -> KVCache:
+        """An empty cache of ``num_slots`` slots for this model's layers, KV heads and dtype."""
+        cfg = self.config
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    def _check(self, batch: ForwardBatch) -> None:
+        op, dev = "forward", self.device
+        c.check_index(op, "input_ids", batch.input_ids, dev, ndim=1)
+        N = batch.input_ids.shape[0]
+        c.check_index(op, "positions", batch.positions, dev, shape=(N,))
+        c.check_index(op, "out_cache_loc", batch.out_cache_loc, dev, shape=(N,))
+        if batch.logits_index is not None:
+            c.check_index(op, "logits_index", batch.logits_index, dev, ndim=1)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run the batch, writing its K/V into ``kv``.
+
+        Returns:
+            float32[K, V] logits of the rows ``batch.logits_index`` (float32[N, V] when None).
+        """
+        self._check(batch)
+        cfg, be = self.config, self.backend
+        N = batch.input_ids.shape[0]
+        max_kv_len = batch.max_kv_len
+        if max_kv_len is None:
+            max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        x = F.embedding(batch.input_ids, self.embed)
+        cos, sin = rotary(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rotary(q.view(N, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rotary(k.view(N, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            be.store_kv(kv, i, batch.out_cache_loc, k, v.reshape(N, cfg.num_kv_heads, cfg.head_dim).contiguous())
+            o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
+                             self.scale, batch.tree_mask, max_kv_len)
+            x = x + F.linear(o.reshape(N, q_size), layer.wo)
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        if batch.logits_index is not None:
+            x = x.index_select(0, batch.logits_index)
+        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()

@@ -1,0 +1,73 @@
+"""Host<->device traffic of the overlap loop, through the backend's runtime only.
+
+Uploads go through (pinned, where the device has it) host buffers with ``non_blocking=True``, so
+enqueuing a step never waits for the device. A launched step copies its results into host
+buffers and records an event; :meth:`InflightStep.wait` is the one place the host blocks, and it
+is called only once the next step has been enqueued (or when there is no next step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime import Runtime
+from .request import Request
+
+
+class Transfer:
+    """Asynchronous uploads and downloads for one device."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.device = runtime.device
+
+    def upload(self, values: Sequence | torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A device copy of host ``values``; never waits for queued device work."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self.runtime.is_host:
+            return host.contiguous()
+        staged = self.runtime.empty_host(host.shape, host.dtype)
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        """A host buffer that will hold ``t`` once the step's event has completed."""
+        return self.runtime.to_host(t)
+
+
+@dataclass(eq=False)
+class InflightStep:
+    """A launched step: its requests in batch order and where its results will land on the host.
+
+    Attributes:
+        kind: ``"prefill"`` (one token per request at ``b*D``) or ``"decode"`` (a verify step).
+        reqs: the batch, in relay order.
+        num_nodes: D, the stride of ``tokens`` and ``logprobs``.
+        tokens: host int64[B*D] committed tokens, -1 padded. lens: host int64[B] tokens committed.
+        logprobs: host float32[B*D] or None.
+        event: recorded after the copies; complete once the host buffers are valid.
+        launch_s: host seconds spent enqueuing the step.
+    """
+
+    kind: str
+    reqs: list[Request]
+    num_nodes: int
+    tokens: torch.Tensor
+    lens: torch.Tensor
+    logprobs: torch.Tensor | None
+    event: object
+    launch_s: float = 0.0
+    absorbed: bool = False
+    wait_s: float = field(default=0.0)
+    done_at: float = field(default=0.0)
+
+    def wait(self) -> None:
+        """Block until the step's results are on the host; the time blocked goes to ``wait_s``."""
+        start = time.perf_counter()
+        self.event.synchronize()
+        self.done_at = time.perf_counter()
+        self.wait_s = self.done_at - start

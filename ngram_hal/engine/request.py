@@ -1,0 +1,155 @@
+"""Requests: sampling parameters, per-request state, and the outputs the engine reports."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class SamplingParams(BaseModel):
+    """How one request is decoded.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``seed`` makes a sampled request reproducible given the same drafts (the same engine settings
+    and request history: the drafts decide which tokens the verify tries first). Generation
+    stops at the first of: ``max_new_tokens`` committed tokens, a token in ``stop_token_ids``
+    (or the model's end-of-sequence token unless ``ignore_eos``), or a string of ``stop`` in the
+    decoded text (the text is cut before it). With ``logprobs`` every committed token carries
+    its log-probability under the model (the raw distribution, before temperature and filters).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    max_new_tokens: int = Field(128, ge=1)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class RequestOutput(BaseModel):
+    """What the engine reports about one request after a step.
+
+    ``new_token_ids`` / ``new_text`` / ``new_logprobs`` are the increment since the previous
+    output of this request; ``token_ids`` / ``text`` / ``logprobs`` are everything so far.
+    While a request runs, the last ``len(longest stop string) - 1`` characters are held back
+    from ``new_text`` (they may turn out to start a stop string), so the ``new_text`` pieces
+    always add up to the final ``text``. ``finish_reason`` is ``"stop"`` (a stop token or string),
+    ``"length"`` (``max_new_tokens`` or the context), ``"abort"`` or ``"error"`` (see ``error``).
+    ``verify_steps`` counts the decode (verify) steps the request took part in; the first token
+    comes from the prefill.
+    """
+
+    rid: str
+    prompt_len: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float] | None
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    verify_steps: int
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request (host only; the device state lives in the batch relay).
+
+    ``seq_len`` is the number of tokens whose KV is in the cache as of the last processed step;
+    ``inflight`` counts launched steps not yet processed, each of which may add up to D more.
+    ``allocated`` slots cover positions ``0..allocated-1`` of row ``row``; ``slot_budget`` is
+    the most slots the request may ever hold.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    max_new_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    row: int = -1
+    allocated: int = 0
+    slot_budget: int = 0
+    seq_len: int = 0
+    inflight: int = 0
+    verify_steps: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    checked_tokens: int = 0
+    reported: bool = False
+
+    def __post_init__(self):
+        self.max_new_tokens = self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def seq_bound(self, num_nodes: int) -> int:
+        """An upper bound on the request's device-side KV length (exact when nothing is in flight)."""
+        return self.seq_len + self.inflight * num_nodes
+
+    def take_output(self) -> RequestOutput:
+        """The increment since the last call, and everything so far."""
+        new_ids = self.output_ids[self.emitted_tokens:]
+        text = self.text
+        hold = 0 if self.finished else max((len(s) for s in self.params.stop), default=1) - 1
+        stable = max(self.emitted_text, len(text) - hold)
+        new_text = text[self.emitted_text:stable]
+        want_lp = self.params.logprobs
+        new_lp = self.logprobs[self.emitted_tokens:] if want_lp else None
+        self.emitted_tokens = len(self.output_ids)
+        self.emitted_text = stable
+        return RequestOutput(
+            rid=self.rid, prompt_len=len(self.prompt_ids), new_token_ids=new_ids, new_text=new_text,
+            new_logprobs=new_lp, token_ids=list(self.output_ids), text=text,
+            logprobs=list(self.logprobs) if want_lp else None, finished=self.finished,
+            finish_reason=self.finish_reason, error=self.error, verify_steps=self.verify_steps)

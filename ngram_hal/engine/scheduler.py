@@ -1,0 +1,131 @@
+"""Admission and KV-slot bookkeeping for continuous batching.
+
+Each request gets a slot budget when it arrives: its prompt, its (context-clamped) new tokens and
+``3*D`` for the draft tree of the last step, the step the host may launch before it has seen that
+the request finished, and the ``2*D`` reservation ahead. A waiting request is admitted only when
+the free slots cover its budget on top of what the running requests may still claim, so a
+running request never meets an empty cache and nothing is ever preempted. A request whose budget
+exceeds the whole cache, or whose prompt leaves no room in the context, fails on its own with a
+clear error; the others are unaffected.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..backend import Backend
+from ..memory import ReqToTokenPool, SlotAllocator
+from .overlap import Transfer
+from .request import Request, Status
+
+
+class Scheduler:
+    """Waiting queue, running set, request-pool rows and KV slots.
+
+    Args:
+        backend: the HAL backend (slot ids and cache locations go through its ops).
+        transfer: host->device uploads.
+        num_slots: KV-cache slots.
+        max_running: rows of the request pool, the most requests decoding at once.
+        max_context_len: positions per request row (prompt + output + speculation room).
+        num_nodes: D, draft-tree nodes per verify step (1 without speculation).
+        max_prefill_tokens: prompt tokens per prefill step (a longer prompt runs alone).
+    """
+
+    def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
+                 max_context_len: int, num_nodes: int, max_prefill_tokens: int):
+        self.backend = backend
+        self.transfer = transfer
+        self.slots = SlotAllocator(backend, num_slots)
+        self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
+        self.num_nodes = num_nodes
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.pool.req_to_token
+
+    def check(self, req: Request) -> str | None:
+        """Clamp ``req``'s output to its context and set its slot budget; an error message if it can never run."""
+        n, D, M = len(req.prompt_ids), self.num_nodes, self.pool.max_context_len
+        if n == 0:
+            return "empty prompt"
+        room = M - n - 3 * D
+        if room < 1:
+            return (f"prompt of {n} tokens does not fit the context of {M} positions "
+                    f"(at most {M - 3 * D - 1} prompt tokens with {D} draft nodes)")
+        req.max_new_tokens = min(req.params.max_new_tokens, room)
+        req.slot_budget = n + req.max_new_tokens + 3 * D
+        if req.slot_budget > self.slots.num_slots:
+            return f"needs up to {req.slot_budget} KV slots; the cache holds {self.slots.num_slots}"
+        return None
+
+    def outstanding(self) -> int:
+        """Slots the running requests may still claim."""
+        return sum(r.slot_budget - r.allocated for r in self.running)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests (first come, first served) that fit now into the running set.
+
+        Each admitted request gets a pool row and slots for its prompt plus ``2*D``.
+        """
+        admitted: list[Request] = []
+        free = self.slots.available() - self.outstanding()
+        tokens = 0
+        while self.waiting and self.pool.available() > len(admitted):
+            req = self.waiting[0]
+            n = len(req.prompt_ids)
+            if req.slot_budget > free or (admitted and tokens + n > self.max_prefill_tokens):
+                break
+            self.waiting.popleft()
+            free -= req.slot_budget
+            tokens += n
+            admitted.append(req)
+        if not admitted:
+            return admitted
+        for req in admitted:
+            req.row = self.pool.alloc()
+            req.status = Status.RUNNING
+        self.extend(admitted, [min(len(r.prompt_ids) + 2 * self.num_nodes, r.slot_budget) for r in admitted])
+        self.running.extend(admitted)
+        return admitted
+
+    def reserve(self, reqs: list[Request], bounds: list[int]) -> None:
+        """Make sure each request holds slots up to ``bound + D`` (``bounds``: KV-length upper bounds)."""
+        D = self.num_nodes
+        targets = [r.allocated if r.allocated >= b + D else min(b + 2 * D, r.slot_budget)
+                   for r, b in zip(reqs, bounds)]
+        self.extend(reqs, targets)
+
+    def extend(self, reqs: list[Request], targets: list[int]) -> None:
+        """Allocate slots for positions ``allocated .. target - 1`` of each request and record them."""
+        grow = [(r, t) for r, t in zip(reqs, targets) if t > r.allocated]
+        if not grow:
+            return
+        locs = self.slots.alloc(sum(t - r.allocated for r, t in grow))
+        up = self.transfer.upload
+        self.backend.assign_req_to_token(self.req_to_token, up([r.row for r, _ in grow]),
+                                         up([r.allocated for r, _ in grow]), up([t for _, t in grow]), locs)
+        for r, t in grow:
+            r.allocated = t
+
+    def release(self, reqs: list[Request]) -> None:
+        """Give back every slot and the row of each request (finished or aborted)."""
+        held = [r for r in reqs if r.row >= 0]
+        if held:
+            up = self.transfer.upload
+            total = sum(r.allocated for r in held)
+            locs = self.backend.gather_cache_locs(self.req_to_token, up([r.row for r in held]),
+                                                  up([0] * len(held)), up([r.allocated for r in held]),
+                                                  num_tokens=total)
+            if total:
+                self.slots.free(locs)
+            for r in held:
+                self.pool.free(r.row)
+                r.row, r.allocated = -1, 0
+        gone = set(map(id, reqs))
+        self.running = [r for r in self.running if id(r) not in gone]

@@ -1,0 +1,129 @@
+"""Reference paged attention: queries in fixed-size blocks, keys gathered per block, masked SDPA.
+
+Every block holds up to ``Bq`` consecutive queries of one request and reads that request's keys,
+padded to ``max_kv_len``. Block size and count are host ints derived from shapes only, so nothing
+is read back to the host (only ``max_kv_len=None`` syncs, to compute it):
+
+* tree verify (``tree_mask`` given): one block of ``D`` queries per request, exact;
+* one block per request of ``min(N, max_kv_len)`` queries when that pads at most half the rows
+  (prefill of similar lengths);
+* otherwise blocks of ``ceil(N / B)`` queries: at most about twice the rows and twice the key
+  gathers of a ragged kernel, whatever the mix of decodes and extends.
+
+Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`.
+Arguments are validated by :class:`ngram_hal.Backend` before :func:`attention` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..memory.kv_cache import KVCache
+
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class _Blocks:
+    """G blocks of Bq query rows. ``flat[n]``: row of query n in the padded [G*Bq] layout;
+    ``req[g]``: the request block g reads (its keys); ``mask``: bool[G, Bq, T]."""
+
+    size: int
+    flat: torch.Tensor
+    req: torch.Tensor
+    mask: torch.Tensor
+
+
+def _tree_blocks(tree_mask: torch.Tensor, prefix: torch.Tensor, cols: torch.Tensor) -> _Blocks:
+    """One block per request: node i sees the whole prefix and, in the block, its tree ancestors."""
+    B, D, _ = tree_mask.shape
+    T = cols.shape[0]
+    rel = cols - prefix.unsqueeze(1)
+    in_block = (rel >= 0) & (rel < D)
+    seen = torch.gather(tree_mask, 2, rel.clamp(0, D - 1).unsqueeze(1).expand(B, D, T))
+    mask = (rel < 0).unsqueeze(1) | (in_block.unsqueeze(1) & seen)
+    dev = tree_mask.device
+    return _Blocks(D, torch.arange(B * D, dtype=torch.int64, device=dev),
+                   torch.arange(B, dtype=torch.int64, device=dev), mask)
+
+
+def _causal_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: torch.Tensor) -> _Blocks:
+    """Blocks of consecutive queries of one request; query at position p sees keys ``<= p``."""
+    B, T, dev = kv_lens.shape[0], cols.shape[0], kv_lens.device
+    q_max = min(N, T)
+    if B * q_max <= 2 * N:
+        size, count = q_max, B
+    else:
+        size = -(-N // B)
+        # sum_b ceil(q_b / size) <= floor((N + B * (size - 1)) / size), and no more blocks than queries.
+        count = min(N, (N + B * (size - 1)) // size)
+    req = torch.repeat_interleave(torch.arange(B, dtype=torch.int64, device=dev), q_lens, output_size=N)
+    row = torch.arange(N, dtype=torch.int64, device=dev) - (torch.cumsum(q_lens, 0) - q_lens).index_select(0, req)
+    per_req = (q_lens + size - 1) // size
+    block = (torch.cumsum(per_req, 0) - per_req).index_select(0, req) + row // size
+    slot = row % size
+    block_req = torch.zeros(count, dtype=torch.int64, device=dev).scatter_(0, block, req)
+    used = torch.zeros(count, dtype=torch.bool, device=dev).scatter_(0, block, torch.ones_like(block, dtype=torch.bool))
+    start = (kv_lens - q_lens).index_select(0, req) + row - slot
+    first_pos = torch.zeros(count, dtype=torch.int64, device=dev).scatter_(0, block, start)
+    length = torch.where(used, kv_lens.index_select(0, block_req), 0)
+    pos = first_pos.unsqueeze(1) + torch.arange(size, dtype=torch.int64, device=dev)
+    mask = (cols <= pos.unsqueeze(2)) & (cols < length.view(count, 1, 1))
+    return _Blocks(size, block * size + slot, block_req, mask)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Grouped-query SDPA. q [G, Qg, Hq, d]; k, v [G, T, H, d]; mask bool [G, Qg, T] -> [G, Qg, Hq, d]."""
+    G, Qg, Hq, d = q.shape
+    T, H = k.shape[1], k.shape[2]
+    g = Hq // H
+    qh = q.reshape(G, Qg, H, g, d).permute(0, 2, 3, 1, 4).reshape(G, H, g * Qg, d)
+    m = mask[:, None, None].expand(G, 1, g, Qg, T).reshape(G, 1, g * Qg, T)
+    out = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=sm_scale)
+    return out.reshape(G, H, g, Qg, d).permute(0, 3, 1, 2, 4).reshape(G, Qg, Hq, d)
+
+
+def attention(q: torch.Tensor, kv: KVCache, layer: int, req_to_token: torch.Tensor,
+              req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
+              sm_scale: float, tree_mask: torch.Tensor | None = None,
+              max_kv_len: int | None = None) -> torch.Tensor:
+    """Paged attention; see :meth:`ngram_hal.Backend.attention` for the contract.
+
+    Args:
+        q: float[N, Hq, d]. kv_lens, q_lens, req_pool_indices: int64[B]. req_to_token: int64[R, M].
+        tree_mask: bool[B, D, D] or None. max_kv_len: host int >= max(kv_lens); None computes it
+            (a host sync).
+    Returns:
+        float[N, Hq, d] in q's dtype. Half-precision inputs are computed in float32.
+    """
+    N, Hq, d = q.shape
+    B = req_pool_indices.shape[0]
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max()) if B else 0
+    T = min(max_kv_len, req_to_token.shape[1])
+    if N == 0 or T == 0:
+        return torch.zeros_like(q)
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    cols = torch.arange(T, dtype=torch.int64, device=q.device)
+    if tree_mask is not None:
+        blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
+    else:
+        blocks = _causal_blocks(kv_lens, q_lens, N, cols)
+    G, Bq = blocks.req.shape[0], blocks.size
+    q_pad = q.new_zeros(G * Bq, Hq, d, dtype=work).index_copy_(0, blocks.flat, q.to(work)).view(G, Bq, Hq, d)
+    slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
+    # Keys past a block's last visible column are masked; read them from the scratch row.
+    rows = torch.where(blocks.mask.any(1), slots, kv.num_slots)
+    H, elt = kv.num_heads, torch.empty((), dtype=work).element_size()
+    chunk = max(1, CHUNK_BYTES // (T * elt * (2 * H * d + Hq * Bq)))
+    out = torch.empty_like(q_pad)
+    for s in range(0, G, chunk):
+        e = min(G, s + chunk)
+        r = rows[s:e].reshape(-1)
+        k = kv.k[layer].index_select(0, r).view(e - s, T, H, d).to(work)
+        v = kv.v[layer].index_select(0, r).view(e - s, T, H, d).to(work)
+        out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale)
+    return out.view(G * Bq, Hq, d).index_select(0, blocks.flat).to(q.dtype)

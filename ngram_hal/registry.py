@@ -1,0 +1,112 @@
+"""Backend discovery through the ``ngram_hal.backends`` entry-point group, and auto-selection.
+
+A backend package declares ``[project.entry-points."ngram_hal.backends"]``
+``name = "module:BackendClass"``; the core never imports a vendor package by name.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+
+from pydantic import BaseModel
+
+from .backend import Backend
+
+GROUP = "ngram_hal.backends"
+ENV_BACKEND = "NGRAM_HAL_BACKEND"
+# ROCm before CUDA: a ROCm build of torch also answers torch.cuda.is_available().
+AUTO_ORDER = ("npu", "rocm", "cuda", "cpu")
+
+
+class BackendInfo(BaseModel):
+    """One registered backend, as ``ngram-hal backends`` lists it."""
+
+    name: str
+    target: str
+    package: str | None
+    version: str | None
+    available: bool
+    reason: str
+    proxy: bool | None = None
+    ops: list[str] = []
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    found = {ep.name: ep for ep in metadata.entry_points(group=GROUP)}
+    if "cpu" not in found:
+        found["cpu"] = metadata.EntryPoint("cpu", "ngram_hal.reference:CpuBackend", GROUP)
+    return found
+
+
+def _load(ep: metadata.EntryPoint) -> type[Backend]:
+    cls = ep.load()
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"entry point '{ep.name}' ({ep.value}) is not a ngram_hal.backend.Backend subclass")
+    return cls
+
+
+def backend_names() -> list[str]:
+    """Registered backend names, auto order first, then the rest alphabetically."""
+    names = set(_entry_points())
+    return [n for n in AUTO_ORDER if n in names] + sorted(names - set(AUTO_ORDER))
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend with its package, version and availability (or why not)."""
+    infos = []
+    eps = _entry_points()
+    for name in backend_names():
+        ep = eps[name]
+        dist = getattr(ep, "dist", None)
+        package = dist.name if dist is not None else "ngram-hal"
+        version = dist.version if dist is not None else _own_version()
+        try:
+            cls = _load(ep)
+            available, reason = cls.is_available()
+            proxy, ops = cls.proxy, cls.implemented_ops()
+        except Exception as exc:  # a broken plugin is reported, never fatal to discovery
+            available, reason, proxy, ops = False, f"failed to load: {type(exc).__name__}: {exc}", None, []
+        infos.append(BackendInfo(name=name, target=ep.value, package=package, version=version,
+                                 available=available, reason=reason, proxy=proxy, ops=ops))
+    return infos
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered under ``name``; ``KeyError`` listing the known names otherwise."""
+    eps = _entry_points()
+    if name not in eps:
+        raise KeyError(f"no backend named '{name}'; registered: {', '.join(backend_names())}")
+    return _load(eps[name])
+
+
+def get_backend(name: str = "auto", strict: bool | None = None, device=None) -> Backend:
+    """An instance of backend ``name``.
+
+    ``"auto"`` (or ``NGRAM_HAL_BACKEND`` when set) takes the first available of npu, rocm,
+    cuda, cpu. A named backend that is unavailable raises ``RuntimeError`` with the reason:
+    no silent fallback.
+    """
+    if name == "auto":
+        name = os.environ.get(ENV_BACKEND, "auto") or "auto"
+    if name == "auto":
+        names = set(_entry_points())
+        for candidate in AUTO_ORDER:
+            if candidate not in names:
+                continue
+            cls = backend_class(candidate)
+            if cls.is_available()[0]:
+                return cls(device=device, strict=strict)
+        raise RuntimeError("no backend is available")
+    cls = backend_class(name)
+    available, reason = cls.is_available()
+    if not available:
+        raise RuntimeError(f"backend '{name}' is not available: {reason}")
+    return cls(device=device, strict=strict)
+
+
+def _own_version() -> str | None:
+    try:
+        return metadata.version("ngram-hal")
+    except metadata.PackageNotFoundError:
+        return None

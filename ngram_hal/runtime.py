@@ -1,0 +1,114 @@
+"""Device runtime used by the engine's overlap loop instead of ``torch.cuda``.
+
+``Runtime(device)`` gives streams, events, synchronisation and pinned host buffers for any torch
+device. Accelerators go through ``torch.get_device_module(device.type)`` (``torch.cuda`` for CUDA
+and ROCm, ``torch.npu`` once torch_npu is imported), so nothing here names a vendor. On the CPU,
+work runs eagerly: streams are inert and events complete at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class HostStream:
+    """A CPU 'stream': work is already done when it is enqueued."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: "HostEvent") -> None:
+        pass
+
+    def wait_stream(self, stream: "HostStream") -> None:
+        pass
+
+
+class HostEvent:
+    """A CPU 'event': complete as soon as it is recorded."""
+
+    def record(self, stream: HostStream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: HostStream | None = None) -> None:
+        pass
+
+
+class Runtime:
+    """Streams, events and host buffers of one device.
+
+    Args:
+        device: the torch device the backend runs on.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._host = self.device.type == "cpu"
+        self._module = None if self._host else torch.get_device_module(self.device.type)
+
+    @property
+    def is_host(self) -> bool:
+        """True when the device is the CPU (streams and events are inert)."""
+        return self._host
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on the device is done."""
+        if not self._host:
+            self._module.synchronize(self.device)
+
+    def new_stream(self):
+        """A new stream on the device (a :class:`HostStream` on the CPU)."""
+        if self._host:
+            return HostStream()
+        return self._module.Stream(device=self.device)
+
+    def current_stream(self):
+        """The stream ops enqueue on now."""
+        if self._host:
+            return HostStream()
+        return self._module.current_stream(self.device)
+
+    def stream(self, stream):
+        """Context manager making ``stream`` current."""
+        if self._host:
+            return contextlib.nullcontext()
+        return self._module.stream(stream)
+
+    def new_event(self, enable_timing: bool = False):
+        """A new event (a :class:`HostEvent` on the CPU)."""
+        if self._host:
+            return HostEvent()
+        return self._module.Event(enable_timing=enable_timing)
+
+    @property
+    def has_pinned_memory(self) -> bool:
+        """Whether host buffers can be page-locked for asynchronous copies."""
+        return not self._host
+
+    def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for device<->host copies, pinned where the device has pinned memory."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.has_pinned_memory)
+
+    def to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy ``t`` to a host buffer without blocking; pair with an event before reading it."""
+        if self._host:
+            return t if out is None else out.copy_(t)
+        if out is None:
+            out = self.empty_host(t.shape, t.dtype)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    @property
+    def graph_capture(self) -> bool:
+        """Whether the device module offers graph capture."""
+        if self._host:
+            return False
+        return any(hasattr(self._module, name) for name in ("CUDAGraph", "NPUGraph"))

@@ -1,0 +1,293 @@
+"""The n-gram corpus: a bounded trie over token streams (prompts and generated tokens).
+
+Every stream (one request) appends tokens to the corpus; each token records the n-grams of
+length 1..``max_depth`` that end with it. A stream carries a match state from step to step: the
+trie node of each of its suffixes of length 0..max_depth-1. A new token advances that state with
+one lookup per depth, so the cost of a step does not grow with the length of the history.
+
+``shared=True``: one trie for all streams; every stream learns from the others (and what a
+stream taught stays after it is erased, until it ages out). ``shared=False``: one trie per
+stream, rooted apart inside the same node pool, matching only the stream's own history; erasing
+the stream frees its trie.
+
+Memory is bounded by ``capacity`` nodes in all. When the pool is full, least recently visited
+leaves are evicted in batches of ``evict_fraction * capacity`` (an approximate LRU that reads a
+fraction of the pool per batch, see :func:`trie.evict`); the nodes a live stream's match state
+holds count as just visited. The arrays are sized for ``capacity`` up front, uninitialized or
+zero-filled, so the OS commits their pages only as nodes first use them, and the corpus never
+copies or rehashes while it grows.
+
+The compiled kernels and the array layout are in :mod:`ngram_hal.spec.trie`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from ..contract import ContractError, check_int
+from . import trie
+
+MAX_TOKEN = 2**31 - 1
+
+
+def as_tokens(op: str, name: str, tokens) -> np.ndarray:
+    """Validate token ids and return them as a fresh int64 numpy array of shape [n].
+
+    Accepts a sequence of Python/numpy ints, a 1-D integer numpy array, or a 1-D int64 tensor.
+    Raises :class:`ContractError` (a ``ValueError``) naming ``op`` and ``name`` for a non-integer
+    or a negative id (-1 is the pad sentinel and never a token) or one above 2**31-1.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype != torch.int64:
+            raise ContractError(op, name, f"expected dtype torch.int64, got {tokens.dtype}")
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, (str, bytes)):
+        raise ContractError(op, name, f"expected token ids, got {type(tokens).__name__}")
+    else:
+        if not isinstance(tokens, np.ndarray):
+            try:
+                tokens = list(tokens)
+            except TypeError:
+                raise ContractError(op, name, f"expected a sequence of token ids, got "
+                                    f"{type(tokens).__name__}") from None
+            if any(isinstance(t, bool) for t in tokens):
+                raise ContractError(op, name, "expected integer token ids, got a bool")
+            if not tokens:
+                return np.empty(0, np.int64)
+        try:
+            arr = np.asarray(tokens)
+        except ValueError as e:
+            raise ContractError(op, name, f"expected a flat sequence of token ids ({e})") from None
+        if arr.dtype.kind not in "iu":
+            raise ContractError(op, name, f"expected integer token ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ContractError(op, name, f"expected a flat sequence of token ids, got shape {arr.shape}")
+    arr = arr.astype(np.int64, copy=True)
+    if arr.size:
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0:
+            what = "the pad sentinel -1" if low == -1 else f"negative id {low}"
+            raise ContractError(op, name, f"contains {what}; token ids are >= 0")
+        if high > MAX_TOKEN:
+            raise ContractError(op, name, f"token id {high} above {MAX_TOKEN}")
+    return arr
+
+
+def token_list(op: str, name: str, tokens) -> list[int]:
+    """Like :func:`as_tokens` but returns a list; a list of in-range Python ints passes as is."""
+    if type(tokens) is list:
+        for t in tokens:
+            if type(t) is not int or t < 0 or t > MAX_TOKEN:
+                break
+        else:
+            return tokens
+    return as_tokens(op, name, tokens).tolist()
+
+
+class Corpus:
+    """A bounded n-gram trie over token streams, keyed by any hashable stream id.
+
+    Args:
+        max_depth: longest n-gram recorded (>= 2). Suffixes of up to ``max_depth - 1`` tokens
+            are matched, and a draft reaches ``max_depth - m`` tokens past a match of length m.
+        capacity: most trie nodes held at once, over all streams (>= 64).
+        shared: one trie for all streams (True) or one per stream (False).
+        evict_fraction: share of ``capacity`` freed by one eviction pass, in (0, 1].
+    """
+
+    def __init__(self, max_depth: int = 18, capacity: int = 1 << 22, shared: bool = True,
+                 evict_fraction: float = 1 / 64):
+        self.max_depth = check_int("Corpus", "max_depth", max_depth, minimum=2)
+        self.capacity = check_int("Corpus", "capacity", capacity, minimum=64)
+        if not 0.0 < evict_fraction <= 1.0:
+            raise ValueError(f"Corpus: argument 'evict_fraction': expected a value in (0, 1], got {evict_fraction}")
+        self.shared = bool(shared)
+        self._evict_want = max(1, int(self.capacity * evict_fraction))
+        self._nodes = np.empty((self.capacity, trie.NODE_FIELDS), np.int32)
+        self._table = np.zeros((1 << (2 * self.capacity - 1).bit_length(), 2), np.int64)
+        self._meta = np.array([0, 0, -1, 0, 0], np.int64)
+        self._state = np.full((0, self.max_depth), -1, np.int32)
+        self._sinfo = np.zeros((0, 4), np.int64)
+        self._rows: dict[Hashable, int] = {}
+        self._free_rows: list[int] = []
+        self._pending_rows: list[int] = []
+        self._pending_lens: list[int] = []
+        self._pending: list[int] = []
+        if self.shared:
+            self._shared_root = trie.new_root(self._nodes, self._table, self._meta, self._state,
+                                              self._evict_want)
+
+    # ------------------------------------------------------------------ streams
+
+    def open(self, key: Hashable, tokens: Sequence[int] = ()) -> None:
+        """Start stream ``key`` with ``tokens`` (e.g. the prompt). ``key`` must be new."""
+        toks = token_list("Corpus.open", "tokens", tokens)
+        if key in self._rows:
+            raise ValueError(f"Corpus.open: request {key!r} is already open")
+        if self.shared:
+            root = self._shared_root
+        else:
+            root = trie.new_root(self._nodes, self._table, self._meta, self._state, self._evict_want)
+            if root < 0:
+                raise MemoryError(f"Corpus.open: no free node for request {key!r}: every node of "
+                                  f"the capacity ({self.capacity}) is held by a live match state")
+        row = self._free_rows.pop() if self._free_rows else self._grow_rows()
+        self._state[row] = -1
+        self._state[row, 0] = root
+        self._sinfo[row] = (0, -1, 0, -1)
+        self._rows[key] = row
+        self._queue(row, toks)
+
+    def extend(self, key: Hashable, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to stream ``key``. Recorded lazily, at the next draft or flush."""
+        row = self._row(key)
+        self._queue(row, token_list("Corpus.extend", "tokens", tokens))
+
+    def erase(self, key: Hashable) -> None:
+        """Close stream ``key``. Shared: what it taught stays; per-stream: its trie is freed."""
+        row = self._row(key)
+        if self.shared:
+            self.flush()
+        else:
+            rows, lens, flat = self._pending_rows, self._pending_lens, self._pending
+            self._pending_rows, self._pending_lens, self._pending = [], [], []
+            start = 0
+            for r, n in zip(rows, lens):
+                if r != row:
+                    self._queue(r, flat[start:start + n])
+                start += n
+            trie.free_tree(self._nodes, self._table, self._meta, int(self._state[row, 0]))
+        self._state[row] = -1
+        del self._rows[key]
+        self._free_rows.append(row)
+
+    def flush(self) -> None:
+        """Record every pending token, in the order the tokens were given (one compiled call)."""
+        if not self._pending_rows:
+            return
+        packed = np.array(self._pending_rows + self._pending_lens + self._pending, np.int64)
+        chunks = len(self._pending_rows)
+        self._pending_rows, self._pending_lens, self._pending = [], [], []
+        trie.insert(self._nodes, self._table, self._meta, self._state, self._sinfo, packed, chunks,
+                    self._evict_want)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    # ------------------------------------------------------------------ queries
+
+    def draft(self, keys: Sequence[Hashable], num_nodes: int, mode: str = "bfs", min_match: int = 1,
+              max_match: int | None = None, max_breadth: float = 10.0, min_breadth: float = 1.0
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Draft trees of exactly ``num_nodes`` nodes for streams ``keys``.
+
+        Node 0 of each tree is the stream's last token. Nodes are in BFS order (a parent's index
+        is below its children's). ``mode="bfs"``: by recency with a breadth schedule,
+        ``mode="frequency"``: by path probability (see :func:`trie.draft_bfs` and
+        :func:`trie.draft_frequency`). Matches of ``min_match..max_match`` tokens are used,
+        longest first (``max_match`` defaults to ``max_depth - 1``). A tree the corpus cannot
+        fill is padded with a chain under the root repeating the root's token.
+
+        Returns:
+            ``(tokens, parents, tree_mask)``: int64[B, D], int64[B, D] (``parents[:, 0]`` is -1)
+            and bool[B, D, D] (``tree_mask[b, i, j]`` when node j is node i or its ancestor).
+        """
+        op = "Corpus.draft"
+        D = check_int(op, "num_nodes", num_nodes, minimum=1)
+        top = self.max_depth - 1
+        max_match = top if max_match is None else check_int(op, "max_match", max_match, minimum=1)
+        check_int(op, "min_match", min_match, minimum=1)
+        if not min_match <= max_match <= top:
+            raise ContractError(op, "max_match", f"expected min_match <= max_match <= {top}, "
+                                f"got {min_match} and {max_match}")
+        if mode not in ("bfs", "frequency"):
+            raise ContractError(op, "mode", f"expected 'bfs' or 'frequency', got {mode!r}")
+        if not 1.0 <= min_breadth <= max_breadth:
+            raise ContractError(op, "max_breadth", "expected 1 <= min_breadth <= max_breadth, "
+                                f"got {min_breadth} and {max_breadth}")
+        rows = np.array([self._row(k) for k in keys], np.int64)
+        self.flush()
+        tokens = np.empty((rows.size, D), np.int64)
+        parents = np.empty((rows.size, D), np.int64)
+        mask = np.empty((rows.size, D, D), np.bool_)
+        if mode == "bfs":
+            empty = trie.draft_bfs(self._nodes, self._state, self._sinfo, rows, min_match, max_match,
+                                   float(max_breadth), float(min_breadth), tokens, parents, mask)
+        else:
+            empty = trie.draft_frequency(self._nodes, self._state, self._sinfo, rows, min_match,
+                                         max_match, tokens, parents, mask)
+        if empty >= 0:
+            raise ContractError(op, "keys", f"request {keys[empty]!r} has no tokens: a tree needs a root")
+        return tokens, parents, mask
+
+    def count(self, ngram: Sequence[int], key: Hashable | None = None) -> int:
+        """How often ``ngram`` was recorded (0 when it is not held): in the shared trie, or in
+        stream ``key``'s own trie when the corpus is per stream."""
+        arr = as_tokens("Corpus.count", "ngram", ngram)
+        if self.shared:
+            root = self._shared_root
+        elif key is None:
+            raise ContractError("Corpus.count", "key", "a per-stream corpus needs the stream's key")
+        else:
+            root = int(self._state[self._row(key), 0])
+        self.flush()
+        if arr.size == 0 or arr.size > self.max_depth:
+            return 0
+        node = trie.find_path(self._table, root, arr)
+        return int(self._nodes[node, trie.CNT]) if node >= 0 else 0
+
+    def last_match(self, key: Hashable) -> tuple[int, int]:
+        """``(length, end)`` of the longest suffix of stream ``key`` that occurred earlier in the
+        same stream, ``end`` being the position of that occurrence's last token; ``(0, -1)``
+        when there is none. Only defined for per-stream corpora (``shared=False``).
+        """
+        if self.shared:
+            raise ValueError("Corpus.last_match: positions are per stream; use shared=False")
+        row = self._row(key)
+        self.flush()
+        return int(self._sinfo[row, trie.MLEN]), int(self._sinfo[row, trie.MEND])
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def num_nodes(self) -> int:
+        """Live trie nodes (roots included)."""
+        return int(self._meta[trie.LIVE])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the corpus's arrays: what it holds at capacity (pages are committed as used)."""
+        return sum(a.nbytes for a in (self._nodes, self._table, self._meta, self._state, self._sinfo))
+
+    @property
+    def bytes_per_node(self) -> float:
+        """Array bytes per node of capacity (the row and its share of the hash table)."""
+        return (self._nodes.nbytes + self._table.nbytes) / self._nodes.shape[0]
+
+    # ------------------------------------------------------------------ internals
+
+    def _queue(self, row: int, tokens: list[int]) -> None:
+        if tokens:
+            self._pending_rows.append(row)
+            self._pending_lens.append(len(tokens))
+            self._pending.extend(tokens)
+
+    def _row(self, key: Hashable) -> int:
+        try:
+            return self._rows[key]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown request {key!r}") from None
+
+    def _grow_rows(self) -> int:
+        row = self._state.shape[0]
+        grow = max(8, row)
+        self._state = np.concatenate([self._state, np.full((grow, self.max_depth), -1, np.int32)])
+        self._sinfo = np.concatenate([self._sinfo, np.zeros((grow, 4), np.int64)])
+        self._free_rows.extend(range(row + grow - 1, row, -1))
+        return row

@@ -1,0 +1,215 @@
+"""Drafters: the interface, the draft batch, the trie drafter and the prompt-lookup baseline.
+
+A drafter sees each request's context exactly once, token by token: the prompt at
+:meth:`Drafter.add_request`, then every newly committed token through :meth:`Drafter.extend`,
+including tokens accepted but not yet written to the request (pending under overlap
+scheduling). It never sees a token twice and never a -1 pad; -1 or a non-integer is refused.
+
+Draft trees (:class:`DraftBatch`) have exactly D nodes: node 0 is the request's last context
+token (the root), nodes are in BFS order (a parent's index is below its children's), and
+``tree_mask[b, i, j]`` is true when node j is node i or one of its ancestors.
+
+Padding rule: when a drafter has fewer than D - 1 candidates, the remaining nodes form a chain
+hanging from the root that repeats the root's token (the guess that the last token repeats, as in
+runs of spaces or punctuation). Padding never uses -1, and a padded tree is a valid tree; where a
+padding node duplicates a real sibling's token, verification takes the real one (it comes first).
+"""
+
+from __future__ import annotations
+
+import abc
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..contract import ContractError, check_int
+from .corpus import Corpus, as_tokens, token_list
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Draft trees for B requests, D nodes each, on the CPU.
+
+    Attributes:
+        tokens: int64[B*D], the token of node i of request b at ``b*D + i``.
+        tree_mask: bool[B, D, D], ``tree_mask[b, i, j]`` when node j is node i or its ancestor.
+    """
+
+    tokens: torch.Tensor
+    tree_mask: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tree_mask.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree_mask.shape[1]
+
+
+def pack_chains(tokens: np.ndarray) -> DraftBatch:
+    """A :class:`DraftBatch` of chains (node i the child of node i-1) from tokens int64[B, D]."""
+    B, D = tokens.shape
+    mask = np.repeat(np.tri(D, dtype=bool)[None], B, axis=0)
+    return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask))
+
+
+class Drafter(abc.ABC):
+    """Proposes draft trees from each request's context.
+
+    Errors: an unknown request id raises ``KeyError`` naming it; a context with -1 or a
+    non-integer raises ``ValueError`` naming the argument; ``num_nodes < 1`` raises ``ValueError``.
+    An error leaves the drafter as it was.
+    """
+
+    @abc.abstractmethod
+    def add_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
+        """Start request ``rid`` with its prompt (at least one token)."""
+
+    @abc.abstractmethod
+    def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        """Append newly committed tokens of ``rid`` (pending ones under overlap included)."""
+
+    @abc.abstractmethod
+    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
+        """Draft trees of exactly ``num_nodes`` nodes for ``rids``, in that order."""
+
+    @abc.abstractmethod
+    def erase(self, rid: Hashable) -> None:
+        """Forget request ``rid``."""
+
+
+def _prompt(op: str, prompt) -> np.ndarray:
+    arr = as_tokens(op, "prompt", prompt)
+    if arr.size == 0:
+        raise ContractError(op, "prompt", "expected at least one token (the root of the first tree)")
+    return arr
+
+
+class TrieDrafterConfig(BaseModel):
+    """Settings of :class:`TrieDrafter`.
+
+    ``max_depth``: longest n-gram recorded; ``max_match``/``min_match``: suffix lengths matched
+    (``max_match`` defaults to ``max_depth - 1``); ``mode``: ``"bfs"`` (recency, breadth schedule
+    from ``max_breadth`` for the shortest match down to ``min_breadth`` for the longest) or
+    ``"frequency"`` (path probability); ``capacity``: most trie nodes held; ``shared``: one
+    corpus for all requests or one per request.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_depth: int = Field(18, ge=2)
+    max_match: int | None = Field(None, ge=1)
+    min_match: int = Field(1, ge=1)
+    mode: Literal["bfs", "frequency"] = "bfs"
+    max_breadth: float = Field(10.0, ge=1.0)
+    min_breadth: float = Field(1.0, ge=1.0)
+    capacity: int = Field(1 << 22, ge=64)
+    shared: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        top = self.max_depth - 1
+        max_match = top if self.max_match is None else self.max_match
+        if not self.min_match <= max_match <= top:
+            raise ValueError(f"need min_match <= max_match <= max_depth - 1 = {top}, "
+                             f"got {self.min_match} and {max_match}")
+        if self.min_breadth > self.max_breadth:
+            raise ValueError(f"need min_breadth <= max_breadth, got {self.min_breadth} and {self.max_breadth}")
+        return self
+
+
+class TrieDrafter(Drafter):
+    """Draft trees from the n-gram :class:`~ngram_hal.spec.corpus.Corpus`.
+
+    Keyword arguments are the fields of :class:`TrieDrafterConfig`. Tokens given to
+    :meth:`extend` are recorded at the next :meth:`draft`, for the whole batch in one call.
+    """
+
+    def __init__(self, **settings):
+        self.config = TrieDrafterConfig(**settings)
+        cfg = self.config
+        self.corpus = Corpus(max_depth=cfg.max_depth, capacity=cfg.capacity, shared=cfg.shared)
+        self._max_match = cfg.max_depth - 1 if cfg.max_match is None else cfg.max_match
+
+    def add_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
+        arr = _prompt("TrieDrafter.add_request", prompt)
+        self.corpus.open(rid, arr)
+
+    def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        self.corpus.extend(rid, tokens)
+
+    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
+        cfg = self.config
+        tokens, _, mask = self.corpus.draft(rids, num_nodes, mode=cfg.mode, min_match=cfg.min_match,
+                                            max_match=self._max_match, max_breadth=cfg.max_breadth,
+                                            min_breadth=cfg.min_breadth)
+        return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask))
+
+    def erase(self, rid: Hashable) -> None:
+        self.corpus.erase(rid)
+
+
+class LinearDrafter(Drafter):
+    """Prompt lookup: one chain of D-1 tokens after the longest earlier match of the context's suffix.
+
+    The suffixes of up to ``max_ngram`` tokens are matched against the request's own history
+    (the latest earlier occurrence of the longest one, at least ``min_ngram`` tokens); the draft
+    is the tokens that followed it. Where the copy reaches the end of the context it continues
+    periodically (the text after the match is predicted to repeat). Matching is incremental, on a
+    per-request :class:`~ngram_hal.spec.corpus.Corpus` that remembers where each n-gram last
+    ended; ``capacity`` bounds its nodes over all requests. With no match the chain pads.
+    """
+
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, capacity: int = 1 << 22):
+        self.max_ngram = check_int("LinearDrafter", "max_ngram", max_ngram, minimum=2)
+        self.min_ngram = check_int("LinearDrafter", "min_ngram", min_ngram, minimum=1)
+        if min_ngram > max_ngram:
+            raise ContractError("LinearDrafter", "min_ngram", f"expected <= max_ngram ({max_ngram}), got {min_ngram}")
+        self.corpus = Corpus(max_depth=max_ngram, capacity=capacity, shared=False)
+        self._context: dict[Hashable, array] = {}
+
+    def add_request(self, rid: Hashable, prompt: Sequence[int]) -> None:
+        arr = _prompt("LinearDrafter.add_request", prompt)
+        self.corpus.open(rid, arr)
+        self._context[rid] = array("q", arr.tobytes())
+
+    def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        context = self._context_of(rid)
+        toks = token_list("LinearDrafter.extend", "tokens", tokens)
+        self.corpus.extend(rid, toks)
+        context.extend(toks)
+
+    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
+        D = check_int("LinearDrafter.draft", "num_nodes", num_nodes, minimum=1)
+        contexts = [self._context_of(rid) for rid in rids]
+        tokens = np.empty((len(rids), D), np.int64)
+        for b, (rid, context) in enumerate(zip(rids, contexts)):
+            tokens[b, 0] = context[-1]
+            if D == 1:
+                continue
+            length, end = self.corpus.last_match(rid)
+            if length < self.min_ngram:
+                tokens[b, 1:] = context[-1]
+                continue
+            start, period = end + 1, len(context) - 1 - end
+            chain = context[start:start + D - 1]
+            while len(chain) < D - 1:
+                chain.extend(context[start:start + min(period, D - 1 - len(chain))])
+            tokens[b, 1:] = np.frombuffer(chain, np.int64)
+        return pack_chains(tokens)
+
+    def erase(self, rid: Hashable) -> None:
+        self.corpus.erase(rid)
+        del self._context[rid]
+
+    def _context_of(self, rid: Hashable) -> array:
+        try:
+            return self._context[rid]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown request {rid!r}") from None

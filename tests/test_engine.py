@@ -1,0 +1,342 @@
+"""Engine behaviour on a tiny random Llama (untied head, so its greedy output wanders and loops).
+
+The references are runs of the same engine without speculation and without overlap; every other
+configuration must reproduce them token for token, and stop conditions must cut them exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_hal.engine.config import LlamaConfig
+from ngram_hal.engine.engine import Engine, EngineConfig
+from ngram_hal.engine.model import LlamaModel
+from ngram_hal.engine.request import SamplingParams
+from ngram_hal.reference import CpuBackend
+
+VOCAB = 256
+
+
+class ByteTokenizer:
+    """One token per Latin-1 character: lets stop strings be checked against known token ids."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("latin-1"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("latin-1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
+    return LlamaModel.random(cfg, CpuBackend(), seed=2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+
+
+def make(model, tokenizer=None, **cfg) -> Engine:
+    cfg.setdefault("num_slots", 1024)
+    cfg.setdefault("max_context_len", 256)
+    return Engine(model, tokenizer, EngineConfig(**cfg))
+
+
+def run_steps(engine: Engine, prompt, params) -> list[list[int]]:
+    """The committed runs of one request, one list per step that produced tokens."""
+    return [out.new_token_ids for out in engine.stream([prompt], params) if out.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    outs = make(model, spec_nodes=1, overlap=False).generate(prompts, SamplingParams(max_new_tokens=48, logprobs=True))
+    return outs
+
+
+def assert_all_free(engine: Engine):
+    assert engine.sched.slots.available() == engine.sched.slots.num_slots
+    assert engine.sched.pool.available() == engine.sched.pool.size
+    assert not engine.sched.running and engine.relay.batch_size == 0
+
+
+@pytest.mark.parametrize("spec_nodes,drafter,overlap", [
+    (1, "trie", True), (4, "trie", False), (8, "trie", True), (8, "linear", True), (16, "trie", False)])
+def test_greedy_spec_equals_no_spec(model, prompts, reference, spec_nodes, drafter, overlap):
+    engine = make(model, spec_nodes=spec_nodes, drafter=drafter, overlap=overlap)
+    _check_against_reference(engine, prompts, reference)
+    if spec_nodes > 1:
+        assert engine.stats.tokens_per_step > 1.2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_policy_switches_modes_and_stays_exact(model, prompts, reference, overlap):
+    engine = make(model, spec_nodes=8, overlap=overlap, spec_policy="auto", probe_every=2)
+    _check_against_reference(engine, prompts, reference)
+    assert engine.policy.chosen[1] > 0 and engine.policy.chosen[8] > 0
+
+
+def _check_against_reference(engine, prompts, reference):
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48, logprobs=True))
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref.token_ids
+        assert out.finish_reason == "length"
+        torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    if engine.num_nodes > 1:
+        assert sum(o.verify_steps for o in outs) < sum(r.verify_steps for r in reference)
+    assert_all_free(engine)
+
+
+def test_logprobs_are_the_model_distribution(model, prompts, reference):
+    # Recompute the log-probability of every committed token with a plain full forward.
+    from ngram_hal.engine.model import ForwardBatch
+
+    prompt, out = prompts[1], reference[1]
+    seq = prompt + out.token_ids
+    n = len(seq)
+    locs, r2t = torch.arange(n), torch.arange(n).unsqueeze(0)
+    lens = torch.tensor([n])
+    logits = model.forward(ForwardBatch(torch.tensor(seq), torch.arange(n), locs, r2t, torch.tensor([0]), lens, lens,
+                                        None, n, None), model.new_kv_cache(n))
+    lp = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, n - 1), torch.tensor(out.token_ids)]
+    torch.testing.assert_close(out.logprobs, lp.tolist(), atol=1e-4, rtol=0)
+
+
+def _inner_position(runs: list[list[int]], fresh: bool) -> int | None:
+    """Index into the output of a token strictly inside an accepted run (of a value not seen before if ``fresh``)."""
+    pos, seen = 0, set()
+    for run in runs:
+        for j, token in enumerate(run):
+            if 0 < j < len(run) - 1 and not (fresh and token in seen):
+                return pos + j
+            seen.add(token)
+        pos += len(run)
+    return None
+
+
+def test_stop_token_in_the_middle_of_a_run(model, prompts, reference):
+    engine = make(model, spec_nodes=8)
+    params = SamplingParams(max_new_tokens=48)
+    for prompt, ref in zip(prompts, reference):
+        runs = run_steps(engine, prompt, params)
+        assert sum(runs, []) == ref.token_ids
+        k = _inner_position(runs, fresh=True)
+        if k is None:
+            continue
+        stop = ref.token_ids[k]
+        outs = list(engine.stream([prompt], SamplingParams(max_new_tokens=48, stop_token_ids=(stop,))))
+        final = outs[-1]
+        assert final.token_ids == ref.token_ids[:k + 1]
+        assert final.finish_reason == "stop"
+        assert sum((o.new_token_ids for o in outs), []) == final.token_ids
+        assert_all_free(engine)
+        return
+    pytest.fail("no prompt produced an accepted run of 3 tokens")
+
+
+def test_max_tokens_reached_mid_run(model, prompts, reference):
+    engine = make(model, spec_nodes=8, overlap=True)
+    i, k = next((i, k) for i, p in enumerate(prompts)
+                if (k := _inner_position(run_steps(engine, p, SamplingParams(max_new_tokens=48)), fresh=False)))
+    out = engine.generate([prompts[i]], SamplingParams(max_new_tokens=k + 1, logprobs=True))[0]
+    assert out.token_ids == reference[i].token_ids[:k + 1]
+    assert len(out.logprobs) == k + 1
+    assert out.finish_reason == "length"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_strings_inside_a_run_and_across_steps(model, prompts, reference, overlap):
+    tok = ByteTokenizer()
+    engine = make(model, tok, spec_nodes=8, overlap=overlap)
+    prompt, ref = prompts[1], reference[1].token_ids
+    runs = run_steps(engine, prompt, SamplingParams(max_new_tokens=48))
+    assert sum(runs, []) == ref
+    text = tok.decode(ref)
+    bounds = [sum(len(r) for r in runs[:i]) for i in range(1, len(runs))]
+    inner = [k for k in range(1, len(ref)) if k not in bounds and k - 1 not in bounds]
+    across = [k for k in bounds if k >= 1]
+    cases = [(k, "inside") for k in inner] + [(k, "across") for k in across]
+    checked = set()
+    for k, kind in cases:
+        stop = text[k - 1:k + 1]
+        if kind in checked or text.find(stop) != k - 1:
+            continue
+        pieces = list(engine.stream([prompt], SamplingParams(max_new_tokens=48, stop=(stop,))))
+        out = pieces[-1]
+        assert "".join(p.new_text for p in pieces) == out.text
+        assert out.finish_reason == "stop", kind
+        assert out.token_ids == ref[:k + 1], kind
+        assert out.text == text[:k - 1], kind
+        checked.add(kind)
+    assert checked == {"inside", "across"}
+    assert_all_free(engine)
+
+
+def test_stream_increments_add_up(model, prompts, reference):
+    engine = make(model, ByteTokenizer(), spec_nodes=8)
+    outs = list(engine.stream(prompts[:2], SamplingParams(max_new_tokens=48, logprobs=True)))
+    for rid_outs, ref in zip(_by_rid(outs), reference):
+        assert sum((o.new_token_ids for o in rid_outs), []) == ref.token_ids
+        assert "".join(o.new_text for o in rid_outs) == rid_outs[-1].text
+        assert sum((o.new_logprobs for o in rid_outs), []) == rid_outs[-1].logprobs
+        assert [o.finished for o in rid_outs] == [False] * (len(rid_outs) - 1) + [True]
+
+
+def _by_rid(outs):
+    order = list(dict.fromkeys(o.rid for o in outs))
+    return [[o for o in outs if o.rid == rid] for rid in order]
+
+
+def test_members_finish_at_different_steps(model, prompts, reference):
+    engine = make(model, spec_nodes=8)
+    limits = [1, 48, 20, 9]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in limits])
+    for out, ref, n in zip(outs, reference, limits):
+        assert out.token_ids == ref.token_ids[:n]
+        assert out.finish_reason == "length"
+    assert len({o.verify_steps for o in outs}) > 2
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("spec_nodes", [1, 8])
+def test_abort_while_its_step_is_in_flight(model, prompts, reference, spec_nodes):
+    engine = make(model, spec_nodes=spec_nodes, overlap=True)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
+    outputs = []
+    while not (engine.inflight is not None and engine.inflight.kind == "decode"):
+        outputs += engine.step()
+    victim = rids[2]
+    assert any(r.rid == victim for r in engine.inflight.reqs)
+    assert engine.abort(victim)
+    assert not engine.abort(victim)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = {o.rid: o for o in outputs if o.finished}
+    assert final[victim].finish_reason == "abort"
+    assert len([o for o in outputs if o.rid == victim and o.finished]) == 1
+    for rid, ref in zip(rids, reference):
+        if rid != victim:
+            assert final[rid].token_ids == ref.token_ids
+    assert ref_prefix(final[victim].token_ids, reference[2].token_ids)
+    assert_all_free(engine)
+
+
+def ref_prefix(a, b):
+    return b[:len(a)] == a
+
+
+def test_slots_exhausted_and_recovered(model, prompts, reference):
+    # Each request needs prompt + 48 + 3*8 slots (77 to 102); 200 slots hold two at a time.
+    engine = make(model, spec_nodes=8, num_slots=200)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
+    outputs, peak_waiting = [], 0
+    while engine.has_unfinished():
+        outputs += engine.step()
+        assert engine.sched.slots.available() >= 0
+        if engine.sched.running:
+            peak_waiting = max(peak_waiting, len(engine.sched.waiting))
+    assert peak_waiting >= 1
+    final = {o.rid: o for o in outputs if o.finished}
+    for rid, ref in zip(rids, reference):
+        assert final[rid].token_ids == ref.token_ids
+    assert_all_free(engine)
+    again = engine.generate(prompts[:1], SamplingParams(max_new_tokens=48))[0]
+    assert again.token_ids == reference[0].token_ids
+
+
+def test_request_larger_than_the_cache_fails_alone(model, prompts, reference):
+    engine = make(model, spec_nodes=8, num_slots=100)
+    outs = engine.generate([prompts[0], prompts[3], prompts[2]],
+                           [SamplingParams(max_new_tokens=48), SamplingParams(max_new_tokens=200),
+                            SamplingParams(max_new_tokens=48)])
+    assert outs[1].finish_reason == "error" and "KV slots" in outs[1].error
+    assert outs[0].token_ids == reference[0].token_ids
+    assert outs[2].token_ids == reference[2].token_ids
+    assert_all_free(engine)
+
+
+def test_prompt_longer_than_the_context_fails_alone(model, prompts, reference):
+    engine = make(model, spec_nodes=8, max_context_len=128)
+    long_prompt = (prompts[3] * 5)[:120]
+    outs = engine.generate([prompts[0], long_prompt, prompts[1]], SamplingParams(max_new_tokens=48))
+    assert outs[1].finish_reason == "error"
+    assert "does not fit the context" in outs[1].error and outs[1].token_ids == []
+    assert outs[0].token_ids == reference[0].token_ids
+    assert outs[2].token_ids == reference[1].token_ids
+    assert_all_free(engine)
+
+
+def test_output_is_clamped_to_the_context(model, prompts, reference):
+    engine = make(model, spec_nodes=4, max_context_len=64)
+    out = engine.generate([prompts[3]], SamplingParams(max_new_tokens=48))[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference[3].token_ids[:64 - 30 - 12]
+
+
+def test_top_k_one_and_tiny_top_p_sample_the_argmax(model, prompts, reference):
+    engine = make(model, spec_nodes=8)
+    for params in (SamplingParams(temperature=1.0, top_k=1, max_new_tokens=48, seed=3),
+                   SamplingParams(temperature=0.7, top_p=1e-6, max_new_tokens=48, seed=4)):
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+def test_sampling_is_seeded_and_mixes_with_greedy(model, prompts, reference):
+    # Sampled tokens depend on the drafts (which children the verify tries), and the shared trie
+    # learns from every request, so reproducibility is per fresh engine.
+    params = [SamplingParams(temperature=1.0, seed=11, max_new_tokens=32), SamplingParams(max_new_tokens=48)]
+    first = make(model, spec_nodes=8).generate(prompts[:2], params)
+    engine = make(model, spec_nodes=8)
+    second = engine.generate(prompts[:2], params)
+    assert first[0].token_ids == second[0].token_ids
+    assert first[1].token_ids == reference[1].token_ids
+    other = engine.generate(prompts[:1], SamplingParams(temperature=1.0, seed=12, max_new_tokens=32))[0]
+    assert other.token_ids != first[0].token_ids
+    assert all(0 <= t < VOCAB for t in first[0].token_ids)
+    assert_all_free(engine)
+
+
+def test_bad_requests_raise_and_change_nothing(model):
+    engine = make(model, spec_nodes=8)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request([1, VOCAB])
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("text without a tokenizer")
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request([1, 2], SamplingParams(stop=("x",)))
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([[1, 2], [3, VOCAB + 5]])
+    assert not engine.has_unfinished()
+    rid = engine.add_request([1, 2], rid="a")
+    with pytest.raises(ValueError, match="rid"):
+        engine.add_request([3], rid="a")
+    assert list(engine.sched.waiting)[0].rid == rid and len(engine.sched.waiting) == 1
+    engine.abort(rid)
+    assert engine.step()[0].finish_reason == "abort"
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
+def test_strict_backend_runs_the_loop(prompts, reference):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
+    strict = LlamaModel.random(cfg, CpuBackend(strict=True), seed=2)
+    engine = make(strict, spec_nodes=8, overlap=True, num_slots=200)
+    outs = engine.generate(prompts[:2], SamplingParams(max_new_tokens=24))
+    assert [o.token_ids for o in outs] == [r.token_ids[:24] for r in reference[:2]]
+    assert_all_free(engine)

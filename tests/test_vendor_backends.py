@@ -1,0 +1,137 @@
+"""The vendor packages ngram-hal-cuda, -rocm and -npu: registration and honest availability."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+import torch
+
+from ngram_hal import registry
+from ngram_hal_cuda import CudaBackend
+from ngram_hal_npu import NpuBackend
+from ngram_hal_rocm import PROXY_ENV, RocmBackend
+
+VENDORS = [
+    # name, class, distribution, default device, warp size
+    ("cuda", CudaBackend, "ngram-hal-cuda", "cuda", 32),
+    ("rocm", RocmBackend, "ngram-hal-rocm", "cuda", 64),
+    ("npu", NpuBackend, "ngram-hal-npu", "npu", None),
+]
+CPU_ONLY_TORCH = torch.version.cuda is None and torch.version.hip is None
+HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    monkeypatch.delenv(PROXY_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.parametrize("name, cls, dist, device, warp", VENDORS)
+def test_registered_by_entry_point(name, cls, dist, device, warp):
+    (ep,) = [ep for ep in metadata.entry_points(group=registry.GROUP) if ep.name == name]
+    assert ep.value == f"{cls.__module__.split('.')[0]}:{cls.__name__}"
+    assert ep.dist.name == dist and ep.dist.version == "0.1.0"
+    assert ep.load() is cls and registry.backend_class(name) is cls
+
+
+@pytest.mark.parametrize("name, cls, dist, device, warp", VENDORS)
+def test_no_ops_yet_and_capabilities(name, cls, dist, device, warp):
+    assert cls.default_device == device
+    backend = cls(device="cpu")
+    caps = backend.capabilities()
+    assert (caps.name, caps.ops, caps.warp_size, caps.proxy) == (name, [], warp, False)
+    with pytest.raises(NotImplementedError, match=f"op 'reconstruct_tree' is not implemented by backend '{name}'"):
+        backend.reconstruct_tree(torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="checks the reasons given by a CPU-only build of torch")
+def test_cuda_and_rocm_unavailable_with_reason_here():
+    assert CudaBackend.is_available() == (False, f"torch {torch.__version__} is not a CUDA build")
+    available, reason = RocmBackend.is_available()
+    assert not available and reason.startswith(f"torch {torch.__version__} is not a ROCm build")
+    assert PROXY_ENV in reason
+    for name in ("cuda", "rocm"):
+        with pytest.raises(RuntimeError, match=f"backend '{name}' is not available: torch"):
+            registry.get_backend(name)
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_cuda_available_exactly_when_torch_sees_a_device():
+    available, reason = CudaBackend.is_available()
+    assert available == torch.cuda.is_available()
+    assert reason == ("" if available else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
+    if available:
+        backend = registry.get_backend("cuda")
+        assert backend.device.type == "cuda" and backend.capabilities().graph_capture
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+def test_npu_unavailable_without_torch_npu():
+    assert NpuBackend.is_available() == (False, "torch_npu is not installed")
+    with pytest.raises(RuntimeError, match="backend 'npu' is not available: torch_npu is not installed"):
+        registry.get_backend("npu")
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+@pytest.mark.parametrize("error, message", [
+    (ImportError, "libascendcl.so: cannot open shared object file: No such file or directory"),
+    (OSError, "libhccl.so: cannot open shared object file"),
+    (RuntimeError, "Ascend CANN toolkit not found; source set_env.sh"),
+])
+def test_npu_reports_the_import_error_of_torch_npu(tmp_path, monkeypatch, error, message):
+    """torch_npu installed without CANN fails at import; that failure is the reason."""
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"raise {error.__name__}({message!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    available, reason = NpuBackend.is_available()
+    assert (available, reason) == (False, f"torch_npu failed to import: {error.__name__}: {message}")
+    assert "torch_npu" not in sys.modules
+
+
+def test_rocm_proxy_under_the_triton_interpreter(monkeypatch):
+    if torch.version.hip is not None:
+        pytest.skip("a ROCm build of torch always runs natively")
+    if importlib.util.find_spec("triton") is None:
+        monkeypatch.setenv(PROXY_ENV, "1")
+        assert RocmBackend.is_available() == (False, "proxy run requested but triton is not installed")
+        return
+    monkeypatch.setenv(PROXY_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert RocmBackend.proxy is True
+    available, reason = RocmBackend.is_available()
+    assert available and reason.startswith("proxy: no ROCm device")
+    backend = registry.get_backend("rocm")
+    caps = backend.capabilities()
+    expected_device = "cuda" if torch.cuda.is_available() and torch.version.cuda else "cpu"
+    assert (backend.device.type, caps.proxy, caps.ops, caps.warp_size) == (expected_device, True, [], 64)
+    info = next(i for i in registry.list_backends() if i.name == "rocm")
+    assert (info.available, info.proxy) == (True, True)
+    monkeypatch.setenv(PROXY_ENV, "0")
+    assert RocmBackend.proxy is False and not RocmBackend.is_available()[0]
+
+
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs a machine without a GPU")
+def test_rocm_proxy_needs_somewhere_to_run(monkeypatch):
+    monkeypatch.setenv(PROXY_ENV, "1")
+    available, reason = RocmBackend.is_available()
+    assert not available
+    assert reason in ("proxy run requested but there is no CUDA device and TRITON_INTERPRET is not 1",
+                      "proxy run requested but triton is not installed")
+
+
+def test_vendor_modules_are_not_imported_with_ngram_hal():
+    code = ("import json, sys, ngram_hal, ngram_hal.cli\n"
+            "vendor = ('ngram_hal_cuda', 'ngram_hal_rocm', 'ngram_hal_npu', 'torch_npu')\n"
+            "at_import = sorted(m for m in sys.modules if m.split('.')[0] in vendor)\n"
+            "import ngram_hal_npu\n"
+            "after_npu = sorted(m for m in sys.modules if m.split('.')[0] == 'torch_npu')\n"
+            "print(json.dumps([at_import, after_npu]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [[], []]

@@ -95,6 +95,7 @@ class RescanDrafter(Drafter):
     def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
         D = num_nodes
         tokens = np.empty((len(rids), D), np.int64)
+        drafted = np.ones(len(rids), np.int64)
         for b, rid in enumerate(rids):
             ctx = self._buf[rid][: self._len[rid]]
             tokens[b, 0] = ctx[-1]
@@ -104,7 +105,8 @@ class RescanDrafter(Drafter):
                 continue
             period = ctx.size - 1 - end
             tokens[b, 1:] = ctx[end + 1 + np.arange(D - 1) % period]
-        return pack_chains(tokens)
+            drafted[b] = D
+        return pack_chains(tokens, drafted)
 
     def erase(self, rid):
         del self._buf[rid], self._len[rid]

@@ -39,6 +39,8 @@ def strict_from_env() -> bool:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where ``cuda`` and ``cuda:0`` name the same current device."""
+    if a == b:
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -7,6 +7,7 @@ A backend package declares ``[project.entry-points."ngram_hal.backends"]``
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from importlib import metadata
 
 from pydantic import BaseModel
@@ -80,29 +81,49 @@ def backend_class(name: str) -> type[Backend]:
     return _load(eps[name])
 
 
-def get_backend(name: str = "auto", strict: bool | None = None, device=None) -> Backend:
+def get_backend(name: str = "auto", strict: bool | None = None, device=None,
+                require: Sequence[str] = ()) -> Backend:
     """An instance of backend ``name``.
 
-    ``"auto"`` (or ``NGRAM_HAL_BACKEND`` when set) takes the first available of npu, rocm,
-    cuda, cpu. A named backend that is unavailable raises ``RuntimeError`` with the reason:
+    ``"auto"`` (or ``NGRAM_HAL_BACKEND`` when set) takes the first of npu, rocm, cuda, cpu that
+    loads, is available and implements every op in ``require`` (the engine asks for all of
+    :data:`ngram_hal.backend.OPS`); the error lists why each candidate was passed over. A named
+    backend that is unavailable or lacks a required op raises ``RuntimeError`` with the reason:
     no silent fallback.
     """
     if name == "auto":
         name = os.environ.get(ENV_BACKEND, "auto") or "auto"
-    if name == "auto":
-        names = set(_entry_points())
-        for candidate in AUTO_ORDER:
-            if candidate not in names:
-                continue
+    if name != "auto":
+        cls = backend_class(name)
+        reason = _unusable(cls, require)
+        if reason:
+            raise RuntimeError(f"backend '{name}' is {reason}")
+        return cls(device=device, strict=strict)
+    names, passed_over = set(_entry_points()), []
+    for candidate in AUTO_ORDER:
+        if candidate not in names:
+            continue
+        try:
             cls = backend_class(candidate)
-            if cls.is_available()[0]:
-                return cls(device=device, strict=strict)
-        raise RuntimeError("no backend is available")
-    cls = backend_class(name)
+        except Exception as exc:  # a broken plugin is passed over, never fatal to auto-selection
+            passed_over.append(f"{candidate}: failed to load: {type(exc).__name__}: {exc}")
+            continue
+        reason = _unusable(cls, require)
+        if not reason:
+            return cls(device=device, strict=strict)
+        passed_over.append(f"{candidate}: {reason}")
+    raise RuntimeError("no backend is available" + (f" ({'; '.join(passed_over)})" if passed_over else ""))
+
+
+def _unusable(cls: type[Backend], require: Sequence[str]) -> str:
+    """Why ``cls`` cannot serve a caller needing ``require`` ("" when it can)."""
     available, reason = cls.is_available()
     if not available:
-        raise RuntimeError(f"backend '{name}' is not available: {reason}")
-    return cls(device=device, strict=strict)
+        return f"not available: {reason}"
+    missing = [op for op in require if op not in cls.implemented_ops()]
+    if missing:
+        return f"lacking required ops: {', '.join(missing)}"
+    return ""
 
 
 def _own_version() -> str | None:

@@ -149,3 +149,17 @@ def test_trie_settings_are_validated():
     with pytest.raises(ValueError, match="min_ngram"):
         LinearDrafter(max_ngram=3, min_ngram=4)
     assert TrieDrafter(max_depth=4).config.max_match is None
+
+
+@pytest.mark.parametrize("make", [TrieDrafter, LinearDrafter], ids=["trie", "linear"])
+def test_drafted_counts_real_nodes_and_is_one_without_a_match(make):
+    """``drafted`` is 1 when nothing matched (the tree is the root plus padding) and counts the
+    drafted nodes once the context repeats."""
+    drafter = make()
+    drafter.add_request("fresh", [1, 2, 3, 4])
+    drafter.add_request("repeat", [5, 6, 7, 8, 9, 5, 6])
+    batch = drafter.draft(["fresh", "repeat"], 6)
+    assert batch.drafted.dtype == torch.int64 and batch.drafted.shape == (2,)
+    assert batch.drafted[0].item() == 1
+    assert 1 < batch.drafted[1].item() <= 6
+    assert batch.tokens.view(2, 6)[1, 1].item() == 7

@@ -7,6 +7,7 @@ a ``*.dist-info`` folder (METADATA + entry_points.txt) in a directory put on ``s
 
 from __future__ import annotations
 
+import importlib
 import sys
 import textwrap
 from importlib import metadata
@@ -14,6 +15,7 @@ from importlib import metadata
 import pytest
 
 from ngram_hal import registry
+from ngram_hal.backend import OPS, Backend
 from ngram_hal.reference import CpuBackend
 
 PLUGIN_MODULE = "ngram_hal_test_plugins"
@@ -178,3 +180,25 @@ def test_auto_takes_the_first_available_in_order(plugins, monkeypatch, on, expec
     if expected == "cpu":
         with pytest.raises(RuntimeError, match="no backend is available"):
             registry.get_backend("auto")
+
+
+def test_auto_passes_over_backends_lacking_required_ops_and_broken_plugins(plugins, monkeypatch):
+    """An available backend without the ops the caller needs, or one that fails to load, is passed
+    over by auto-selection with its reason; asked for by name it raises."""
+    eps = {
+        "npu": metadata.EntryPoint("npu", "ngram_hal_no_such_module:Backend", registry.GROUP),
+        "cuda": metadata.EntryPoint("cuda", f"{PLUGIN_MODULE}:EmptyCuda", registry.GROUP),
+        "cpu": metadata.EntryPoint("cpu", "ngram_hal.reference:CpuBackend", registry.GROUP),
+    }
+    plugin = importlib.import_module(PLUGIN_MODULE)
+    monkeypatch.setattr(plugin, "EmptyCuda", type("EmptyCuda", (Backend,), {"name": "cuda"}), raising=False)
+    assert plugin.EmptyCuda.implemented_ops() == []
+    monkeypatch.setattr(registry, "_entry_points", lambda: dict(eps))
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    assert registry.get_backend("auto").name == "cuda"
+    assert registry.get_backend("auto", require=OPS).name == "cpu"
+    with pytest.raises(RuntimeError, match="backend 'cuda' is lacking required ops: alloc_extend"):
+        registry.get_backend("cuda", require=OPS)
+    eps.pop("cpu")
+    with pytest.raises(RuntimeError, match=r"npu: failed to load.*cuda: lacking required ops"):
+        registry.get_backend("auto", require=OPS)

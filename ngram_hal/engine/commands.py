@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..backend import OPS
 from ..registry import get_backend
 from .request import SamplingParams
 from .workload import PromptSpec, RunResult, load_prompts, run_prompts
@@ -76,7 +77,7 @@ class Setup:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.backend = get_backend(args.backend, device=args.device)
+        self.backend = get_backend(args.backend, device=args.device, require=OPS)
         start = time.perf_counter()
         self.model = LlamaModel.from_gguf(self.backend, args.model, DTYPES[args.dtype])
         self.load_s = time.perf_counter() - start

@@ -56,7 +56,8 @@ class EngineConfig(BaseModel):
 
     ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
     ``spec_policy="auto"`` lets each verify step use D or 1 node, whichever is measured faster
-    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D.
+    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way, a step for which the
+    drafter found nothing for any request in the batch runs as a plain decode step (1 node).
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room).
     """
@@ -330,8 +331,10 @@ class Engine:
         self.sched.reserve(reqs, bounds)
         relay, r2t = self.relay, self.sched.req_to_token
         seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
+        draft = self.drafter.draft([r.rid for r in reqs], n) if n > 1 else None
+        if draft is not None and int(draft.drafted.max()) == 1:
+            n = 1  # nothing drafted for any request: a plain decode step costs less than padding
         if n > 1:
-            draft = self.drafter.draft([r.rid for r in reqs], n)
             drafts = up(draft.tokens).view(B, n)
             tokens = torch.cat([roots.unsqueeze(1), drafts[:, 1:]], dim=1).view(-1)
             tree_mask = up(draft.tree_mask)

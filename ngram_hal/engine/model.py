@@ -64,9 +64,7 @@ class _Layer:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, returned in x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
@@ -218,9 +216,10 @@ class LlamaModel:
         cos, sin = rotary(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rotary(q.view(N, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rotary(k.view(N, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = F.linear(h, layer.wqkv).split([q_size + kv_size, kv_size], dim=-1)
+            qk = apply_rotary(qk.reshape(N, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            q, k = q.contiguous(), k.contiguous()
             be.store_kv(kv, i, batch.out_cache_loc, k, v.reshape(N, cfg.num_kv_heads, cfg.head_dim).contiguous())
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len)

@@ -86,6 +86,43 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return out.reshape(G, H, g, Qg, d).permute(0, 3, 1, 2, 4).reshape(G, Qg, Hq, d)
 
 
+class _LastLayout:
+    """The block layout of the last call, reused while its inputs are the same tensors, unmodified.
+
+    Every layer of one forward passes the same metadata tensors; the layout (and the key slots it
+    reads) depends only on them, so it is built once per forward. The key holds each tensor's
+    identity and version counter (bumped by in-place writes, e.g. to ``req_to_token``), and the
+    entry keeps the tensors alive so that an identity cannot be reused while cached. Inference
+    tensors have no version counter, so metadata made under ``torch.inference_mode`` is never
+    cached.
+    """
+
+    key: tuple | None = None
+    tensors: tuple = ()
+    value: tuple[_Blocks, torch.Tensor] | None = None
+
+
+def _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N: int, T: int, scratch: int
+            ) -> tuple[_Blocks, torch.Tensor]:
+    """Blocks and the KV rows (int64[G, T]) each block reads; masked keys read the scratch row."""
+    tensors = (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)
+    cacheable = not any(t is not None and t.is_inference() for t in tensors)
+    key = None
+    if cacheable:
+        key = tuple((id(t), t._version) if t is not None else None for t in tensors) + (N, T, scratch)
+        if _LastLayout.key == key:
+            return _LastLayout.value
+    cols = torch.arange(T, dtype=torch.int64, device=req_to_token.device)
+    if tree_mask is not None:
+        blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
+    else:
+        blocks = _causal_blocks(kv_lens, q_lens, N, cols)
+    slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
+    rows = torch.where(blocks.mask.any(1), slots, scratch)
+    _LastLayout.key, _LastLayout.tensors, _LastLayout.value = key, tensors, (blocks, rows)
+    return blocks, rows
+
+
 def attention(q: torch.Tensor, kv: KVCache, layer: int, req_to_token: torch.Tensor,
               req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
               sm_scale: float, tree_mask: torch.Tensor | None = None,
@@ -107,23 +144,25 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, req_to_token: torch.Tens
     if N == 0 or T == 0:
         return torch.zeros_like(q)
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    cols = torch.arange(T, dtype=torch.int64, device=q.device)
-    if tree_mask is not None:
-        blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
-    else:
-        blocks = _causal_blocks(kv_lens, q_lens, N, cols)
+    blocks, rows = _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N, T, kv.num_slots)
     G, Bq = blocks.req.shape[0], blocks.size
-    q_pad = q.new_zeros(G * Bq, Hq, d, dtype=work).index_copy_(0, blocks.flat, q.to(work)).view(G, Bq, Hq, d)
-    slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
-    # Keys past a block's last visible column are masked; read them from the scratch row.
-    rows = torch.where(blocks.mask.any(1), slots, kv.num_slots)
+    # Blocks are laid out in query order, so when they hold exactly N rows the layout is the identity.
+    dense = G * Bq == N
+    qw = q if q.dtype == work else q.to(work)
+    if dense:
+        q_pad = qw.view(G, Bq, Hq, d)
+    else:
+        q_pad = q.new_zeros(G * Bq, Hq, d, dtype=work).index_copy_(0, blocks.flat, qw).view(G, Bq, Hq, d)
     H, elt = kv.num_heads, torch.empty((), dtype=work).element_size()
     chunk = max(1, CHUNK_BYTES // (T * elt * (2 * H * d + Hq * Bq)))
     out = torch.empty_like(q_pad)
     for s in range(0, G, chunk):
         e = min(G, s + chunk)
         r = rows[s:e].reshape(-1)
-        k = kv.k[layer].index_select(0, r).view(e - s, T, H, d).to(work)
-        v = kv.v[layer].index_select(0, r).view(e - s, T, H, d).to(work)
+        k = kv.k[layer].index_select(0, r).view(e - s, T, H, d)
+        v = kv.v[layer].index_select(0, r).view(e - s, T, H, d)
+        if k.dtype != work:
+            k, v = k.to(work), v.to(work)
         out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale)
-    return out.view(G * Bq, Hq, d).index_select(0, blocks.flat).to(q.dtype)
+    out = out.view(N, Hq, d) if dense else out.view(G * Bq, Hq, d).index_select(0, blocks.flat)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -183,8 +183,8 @@ class Corpus:
     # ------------------------------------------------------------------ queries
 
     def draft(self, keys: Sequence[Hashable], num_nodes: int, mode: str = "bfs", min_match: int = 1,
-              max_match: int | None = None, max_breadth: float = 10.0, min_breadth: float = 1.0
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              max_match: int | None = None, max_breadth: float = 10.0, min_breadth: float = 1.0,
+              drafted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draft trees of exactly ``num_nodes`` nodes for streams ``keys``.
 
         Node 0 of each tree is the stream's last token. Nodes are in BFS order (a parent's index
@@ -192,7 +192,8 @@ class Corpus:
         ``mode="frequency"``: by path probability (see :func:`trie.draft_bfs` and
         :func:`trie.draft_frequency`). Matches of ``min_match..max_match`` tokens are used,
         longest first (``max_match`` defaults to ``max_depth - 1``). A tree the corpus cannot
-        fill is padded with a chain under the root repeating the root's token.
+        fill is padded with a chain under the root repeating the root's token; ``drafted``, when
+        given (int64[B]), receives each tree's node count before padding (1: nothing matched).
 
         Returns:
             ``(tokens, parents, tree_mask)``: int64[B, D], int64[B, D] (``parents[:, 0]`` is -1)
@@ -212,16 +213,20 @@ class Corpus:
             raise ContractError(op, "max_breadth", "expected 1 <= min_breadth <= max_breadth, "
                                 f"got {min_breadth} and {max_breadth}")
         rows = np.array([self._row(k) for k in keys], np.int64)
+        if drafted is None:
+            drafted = np.empty(rows.size, np.int64)
+        elif drafted.shape != (rows.size,) or drafted.dtype != np.int64:
+            raise ContractError(op, "drafted", f"expected an int64 array of shape ({rows.size},)")
         self.flush()
         tokens = np.empty((rows.size, D), np.int64)
         parents = np.empty((rows.size, D), np.int64)
         mask = np.empty((rows.size, D, D), np.bool_)
         if mode == "bfs":
             empty = trie.draft_bfs(self._nodes, self._state, self._sinfo, rows, min_match, max_match,
-                                   float(max_breadth), float(min_breadth), tokens, parents, mask)
+                                   float(max_breadth), float(min_breadth), tokens, parents, mask, drafted)
         else:
             empty = trie.draft_frequency(self._nodes, self._state, self._sinfo, rows, min_match,
-                                         max_match, tokens, parents, mask)
+                                         max_match, tokens, parents, mask, drafted)
         if empty >= 0:
             raise ContractError(op, "keys", f"request {keys[empty]!r} has no tokens: a tree needs a root")
         return tokens, parents, mask

@@ -38,10 +38,13 @@ class DraftBatch:
     Attributes:
         tokens: int64[B*D], the token of node i of request b at ``b*D + i``.
         tree_mask: bool[B, D, D], ``tree_mask[b, i, j]`` when node j is node i or its ancestor.
+        drafted: int64[B], how many of each tree's nodes were drafted (the root included); the
+            rest is padding. 1 means the drafter found nothing for that request.
     """
 
     tokens: torch.Tensor
     tree_mask: torch.Tensor
+    drafted: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -52,11 +55,12 @@ class DraftBatch:
         return self.tree_mask.shape[1]
 
 
-def pack_chains(tokens: np.ndarray) -> DraftBatch:
-    """A :class:`DraftBatch` of chains (node i the child of node i-1) from tokens int64[B, D]."""
+def pack_chains(tokens: np.ndarray, drafted: np.ndarray) -> DraftBatch:
+    """A :class:`DraftBatch` of chains (node i the child of node i-1) from tokens int64[B, D] and
+    the drafted node counts int64[B]."""
     B, D = tokens.shape
     mask = np.repeat(np.tri(D, dtype=bool)[None], B, axis=0)
-    return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask))
+    return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask), torch.from_numpy(drafted))
 
 
 class Drafter(abc.ABC):
@@ -146,10 +150,11 @@ class TrieDrafter(Drafter):
 
     def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
         cfg = self.config
+        drafted = np.empty(len(rids), np.int64)
         tokens, _, mask = self.corpus.draft(rids, num_nodes, mode=cfg.mode, min_match=cfg.min_match,
                                             max_match=self._max_match, max_breadth=cfg.max_breadth,
-                                            min_breadth=cfg.min_breadth)
-        return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask))
+                                            min_breadth=cfg.min_breadth, drafted=drafted)
+        return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask), torch.from_numpy(drafted))
 
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)
@@ -189,6 +194,7 @@ class LinearDrafter(Drafter):
         D = check_int("LinearDrafter.draft", "num_nodes", num_nodes, minimum=1)
         contexts = [self._context_of(rid) for rid in rids]
         tokens = np.empty((len(rids), D), np.int64)
+        drafted = np.ones(len(rids), np.int64)
         for b, (rid, context) in enumerate(zip(rids, contexts)):
             tokens[b, 0] = context[-1]
             if D == 1:
@@ -202,7 +208,8 @@ class LinearDrafter(Drafter):
             while len(chain) < D - 1:
                 chain.extend(context[start:start + min(period, D - 1 - len(chain))])
             tokens[b, 1:] = np.frombuffer(chain, np.int64)
-        return pack_chains(tokens)
+            drafted[b] = D
+        return pack_chains(tokens, drafted)
 
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)

@@ -354,10 +354,12 @@ def _place(out_tok, out_par, b, n, parent, token):
 
 
 @njit(cache=True)
-def _finish(out_tok, out_par, out_mask, b, n):
-    """Pad row b from node n with a chain under the root repeating the root's token, then fill
-    its mask: row i marks node i and its ancestors."""
+def _finish(out_tok, out_par, out_mask, out_real, b, n):
+    """Record that row b holds n drafted nodes (the root included), pad it from node n with a
+    chain under the root repeating the root's token, then fill its mask: row i marks node i and
+    its ancestors."""
     D = out_tok.shape[1]
+    out_real[b] = n
     parent = 0
     for j in range(n, D):
         out_tok[b, j] = out_tok[b, 0]
@@ -383,7 +385,7 @@ def _first_empty(sinfo, rows):
 
 @njit(cache=True)
 def draft_bfs(nodes, state, sinfo, rows, min_match, max_match, max_breadth, min_breadth,
-              out_tok, out_par, out_mask):
+              out_tok, out_par, out_mask, out_real):
     """Draft trees breadth-first by recency into ``out_tok``/``out_par`` int64[B, D] and
     ``out_mask`` bool[B, D, D]. Returns -1, or the index of a stream with no tokens (nothing done).
 
@@ -437,7 +439,7 @@ def draft_bfs(nodes, state, sinfo, rows, min_match, max_match, max_breadth, min_
                         tail += 1
                     taken += 1
                     c = nodes[c, NEXT]
-        _finish(out_tok, out_par, out_mask, b, n)
+        _finish(out_tok, out_par, out_mask, out_real, b, n)
     return -1
 
 
@@ -468,7 +470,7 @@ def _children_total(nodes, x):
 
 
 @njit(cache=True)
-def draft_frequency(nodes, state, sinfo, rows, min_match, max_match, out_tok, out_par, out_mask):
+def draft_frequency(nodes, state, sinfo, rows, min_match, max_match, out_tok, out_par, out_mask, out_real):
     """Draft trees by path probability; outputs and return value as :func:`draft_bfs`.
 
     For each matched suffix, longest first, nodes of the subtree under its trie node are taken
@@ -526,5 +528,5 @@ def draft_frequency(nodes, state, sinfo, rows, min_match, max_match, out_tok, ou
                     f_total[size] = _children_total(nodes, c)
                     f_best[size] = _best_child(nodes, c, 2147483647, -1)
                     size += 1
-        _finish(out_tok, out_par, out_mask, b, n)
+        _finish(out_tok, out_par, out_mask, out_real, b, n)
     return -1

@@ -18,18 +18,14 @@ of requests decoded together so that the shared corpus also learns across reques
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import machine, make_console, make_table, utc_now, write_report  # noqa: E402
 from realtext import load_tokens  # noqa: E402
 from replay import Replay  # noqa: E402
 
@@ -93,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "continue": [continue_case(t, args.output, args.before) for t in texts],
     }
 
-    console = Console(width=150)
+    console = make_console()
     rows = []
     for scenario, case in cases.items():
         streams, prompt_lens = [s for s, _ in case], [n for _, n in case]
@@ -103,14 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 console.log(f"{scenario:8s} D={D:2d} {name:16s} {row['tokens_per_step']:.3f} tokens/step")
 
-    table = Table(title=f"Mean tokens committed per verify step (greedy replay), tokens: {tokenizer}")
-    table.add_column("scenario")
-    table.add_column("D", justify="right")
-    for name in args.drafters:
-        table.add_column(name, justify="right")
     ratio = "linear" in args.drafters and "trie-bfs" in args.drafters
-    if ratio:
-        table.add_column("trie-bfs / linear", justify="right")
+    table = make_table(f"Mean tokens committed per verify step (greedy replay), tokens: {tokenizer}",
+                       ["scenario", "D", *args.drafters] + (["trie-bfs / linear"] if ratio else []),
+                       left=("scenario",))
     got = {(r["scenario"], r["nodes"], r["drafter"]): r["tokens_per_step"] for r in rows}
     for scenario in cases:
         for D in args.nodes:
@@ -122,15 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {
         "bench": "acceptance",
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "time": utc_now(),
+        "machine": machine(),
         "tokenizer": tokenizer,
         "requests": args.requests, "output_tokens_per_request": args.output,
         "rows": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    console.print(f"wrote {args.json}")
+    write_report(args.json, report, console)
     return report
 
 

@@ -12,9 +12,6 @@ runs and the loop/reference ratio (above 1: the reference is faster).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import statistics
 import sys
@@ -23,12 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
-from rich.table import Table
 
-import ngram_hal
-from ngram_hal.memory.kv_cache import KVCache
-from ngram_hal.reference import CpuBackend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import make_console, make_table, report_header, write_report  # noqa: E402
+
+from ngram_hal.memory.kv_cache import KVCache  # noqa: E402
+from ngram_hal.reference import CpuBackend  # noqa: E402
 
 I64 = torch.int64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,13 +103,6 @@ def median_ms(fn, sync, repeats: int, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return platform.processor() or platform.machine()
-    module = torch.get_device_module(device.type)
-    return module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
@@ -152,35 +143,24 @@ def main(argv=None):
                             "kv_tokens": sum(kv_lens), "reference_ms": round(ref_ms, 4),
                             "loop_ms": round(loop_ms, 4), "loop_over_reference": round(loop_ms / ref_ms, 2)})
 
-    table = Table(title=f"attention: reference vs per-request loop on {backend.device}, {args.dtype}, "
-                        f"Hq={args.q_heads} H={args.kv_heads} d={args.head_dim}, one layer, median of {args.repeats}")
-    for col in ("scenario", "B", "queries", "kv tokens", "reference ms", "loop ms", "loop / reference"):
-        table.add_column(col, justify="left" if col == "scenario" else "right")
+    table = make_table(f"attention: reference vs per-request loop on {backend.device}, {args.dtype}, "
+                       f"Hq={args.q_heads} H={args.kv_heads} d={args.head_dim}, one layer, median of {args.repeats}",
+                       ("scenario", "B", "queries", "kv tokens", "reference ms", "loop ms", "loop / reference"),
+                       left=("scenario",))
     for r in results:
         table.add_row(r["scenario"], str(r["batch"]), str(r["queries"]), str(r["kv_tokens"]),
                       f"{r['reference_ms']:.3f}", f"{r['loop_ms']:.3f}", f"{r['loop_over_reference']:.2f}x")
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    console = make_console()
     console.print(table)
 
     report = {
-        "schema": "ngram-hal-bench-attention/1",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": backend.name,
-        "device": str(backend.device),
-        "device_name": device_name(backend.device),
-        "proxy": backend.proxy,
-        "versions": {"ngram_hal": ngram_hal.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
-        "host": {"machine": platform.machine(), "torch_threads": torch.get_num_threads()},
+        **report_header("ngram-hal-bench-attention/1", backend),
         "config": {"dtype": args.dtype, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
                    "head_dim": args.head_dim, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed},
         "baseline": "per-request loop: lengths read to the host, one SDPA per request",
         "results": results,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_report(args.json, report, console)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import platform
 import resource
 import statistics
 import sys
@@ -38,11 +35,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import machine, make_console, make_table, peak_rss_bytes, utc_now, write_report  # noqa: E402
 from realtext import load_tokens  # noqa: E402
 from replay import Replay  # noqa: E402
 
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm_up()
     memory = memory_at_capacity(args.memory_capacity, code[: args.memory_capacity])
     rows = []
-    console = Console(width=150)
+    console = make_console()
     for B in args.batch:
         for C in args.context:
             streams = [s[: C + args.steps * max(args.nodes) + max(args.nodes)]
@@ -216,11 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
                     console.log(f"{name:6s} B={B:3d} C={C:6d} D={D:2d} "
                                 f"{row['cpu_us_per_request_step']:9.1f} us/req/step (CPU)")
 
-    table = Table(title="Drafting cost per request per step, us (mean CPU time / median wall time); "
-                  f"tokens: {tokenizer}")
-    for col in ("B", "context", "D", "trie", "linear", "rescan", "rescan/trie", "linear/trie",
-                "tok/step trie", "tok/step linear"):
-        table.add_column(col, justify="right")
+    table = make_table("Drafting cost per request per step, us (mean CPU time / median wall time); "
+                       f"tokens: {tokenizer}",
+                       ("B", "context", "D", "trie", "linear", "rescan", "rescan/trie", "linear/trie",
+                        "tok/step trie", "tok/step linear"))
     by_key = {(r["batch"], r["context"], r["nodes"], r["drafter"]): r for r in rows}
     for B in args.batch:
         for C in args.context:
@@ -250,18 +245,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {
         "bench": "drafting",
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "torch": torch.__version__},
+        "time": utc_now(),
+        "machine": machine(numpy=np.__version__, torch=torch.__version__),
         "tokenizer": tokenizer,
         "steps": args.steps,
         "rows": rows,
         "memory": memory,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    console.print(f"wrote {args.json}")
+    write_report(args.json, report, console)
     return report
 
 

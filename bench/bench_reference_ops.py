@@ -13,9 +13,6 @@ same inputs and must give the same result before either is timed. Reports the me
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import statistics
 import sys
@@ -24,12 +21,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-import ngram_hal
-from ngram_hal.memory import KVCache, ReqToTokenPool, SlotAllocator
-from ngram_hal.reference import CpuBackend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import make_console, make_table, report_header, write_report  # noqa: E402
+
+from ngram_hal.memory import KVCache, ReqToTokenPool, SlotAllocator  # noqa: E402
+from ngram_hal.reference import CpuBackend  # noqa: E402
 
 I64 = torch.int64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -256,13 +254,6 @@ def bench_kv_ops(backend, args, scene: Scene, dtype_name: str, timer: Timer) -> 
                   partial(backend.move_kv, kv, src, dst), partial(naive_move, kv, src, dst, D))
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return platform.processor() or platform.machine()
-    module = torch.get_device_module(device.type)
-    return module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
@@ -297,26 +288,18 @@ def main(argv=None):
             bench_kv_ops(backend, args, scene, name, timer)
     results = timer.results
 
-    table = Table(title=f"reference ops vs per-request loops on {backend.device} "
-                        f"(B={args.batch}, D={args.nodes}, ctx~{args.context}, median of {args.repeats})")
-    for col in ("op", "dtype", "page", "work", "vectorized ms", "loop ms", "loop / vectorized"):
-        table.add_column(col, justify="left" if col in ("op", "work") else "right")
+    table = make_table(f"reference ops vs per-request loops on {backend.device} "
+                       f"(B={args.batch}, D={args.nodes}, ctx~{args.context}, median of {args.repeats})",
+                       ("op", "dtype", "page", "work", "vectorized ms", "loop ms", "loop / vectorized"),
+                       left=("op", "work"))
     for r in results:
         table.add_row(r["op"], r["dtype"], str(r["page_size"]), r["work"], f"{r['vectorized_ms']:.3f}",
                       f"{r['loop_ms']:.3f}", f"{r['speedup']:.1f}x")
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    console = make_console()
     console.print(table)
 
     report = {
-        "schema": "ngram-hal-bench-reference-ops/1",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": backend.name,
-        "device": str(backend.device),
-        "device_name": device_name(backend.device),
-        "proxy": backend.proxy,
-        "versions": {"ngram_hal": ngram_hal.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
-        "host": {"machine": platform.machine(), "torch_threads": torch.get_num_threads()},
+        **report_header("ngram-hal-bench-reference-ops/1", backend),
         "config": {"batch": args.batch, "nodes": args.nodes, "context": args.context, "layers": args.layers,
                    "kv_heads": args.heads, "head_dim": args.head_dim, "dtypes": dtype_names,
                    "page_sizes": args.page_sizes, "repeats": args.repeats, "warmup": args.warmup,
@@ -324,10 +307,7 @@ def main(argv=None):
         "baseline": "per-request Python loop reading lengths to the host",
         "results": results,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    write_report(args.json, report, console)
 
 
 if __name__ == "__main__":

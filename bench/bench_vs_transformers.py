@@ -18,24 +18,24 @@ verify steps + 1 prefill; theirs: forward calls), so a plain decode scores 1.0 o
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from ngram_hal.engine.engine import Engine, EngineConfig
-from ngram_hal.engine.gguf_loader import find_model_file
-from ngram_hal.engine.model import LlamaModel
-from ngram_hal.engine.request import SamplingParams
-from ngram_hal.engine.tokenizer import Tokenizer
-from ngram_hal.engine.workload import load_prompts
-from ngram_hal.registry import get_backend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import make_console, make_table, peak_rss_bytes, write_report  # noqa: E402
+
+from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
+from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
+from ngram_hal.engine.model import LlamaModel  # noqa: E402
+from ngram_hal.engine.request import SamplingParams  # noqa: E402
+from ngram_hal.engine.tokenizer import Tokenizer  # noqa: E402
+from ngram_hal.engine.workload import load_prompts  # noqa: E402
+from ngram_hal.registry import get_backend  # noqa: E402
 
 
 class Ours:
@@ -126,14 +126,14 @@ def main() -> None:
     groups = {}
     for s in specs:
         groups.setdefault(s.kind, []).append(s)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = make_console(200)
     report = {"model": path.name, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "spec_nodes": args.spec_nodes, "prompt_lookup_num_tokens": lookup, "groups": {}}
-    table = Table(title=f"ngram-hal vs transformers {__import__('transformers').__version__}, batch 1, greedy, CPU")
-    for col in ("prompts", "ours tok/s", "HF tok/s", "ours/HF", "ours spec tok/s", "ours speedup",
-                "ours linear speedup", "ours auto speedup", "HF PLD speedup", "ours tok/fwd",
-                "ours linear tok/fwd", "HF PLD tok/fwd", "match vs HF"):
-        table.add_column(col, justify="left" if col == "prompts" else "right")
+    table = make_table(f"ngram-hal vs transformers {__import__('transformers').__version__}, batch 1, greedy, CPU",
+                       ("prompts", "ours tok/s", "HF tok/s", "ours/HF", "ours spec tok/s", "ours speedup",
+                        "ours linear speedup", "ours auto speedup", "HF PLD speedup", "ours tok/fwd",
+                        "ours linear tok/fwd", "HF PLD tok/fwd", "match vs HF"),
+                       left=("prompts",))
     systems = {
         "ours_plain": Ours(model, tok, 1, "trie"),
         "ours_trie": Ours(model, tok, args.spec_nodes, "trie"),
@@ -172,12 +172,9 @@ def main() -> None:
                       f"{sums['ours_trie']['tokens_per_forward']:.2f}",
                       f"{sums['ours_linear']['tokens_per_forward']:.2f}", f"{sums['hf_pld']['tokens_per_forward']:.2f}",
                       f"{100 * match:.0f}%")
-    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["peak_rss_bytes"] = peak_rss_bytes()
     console.print(table)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    console.print(f"wrote {out}")
+    write_report(args.json, report, console)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from ngram_hal.engine.engine import Engine, EngineConfig
 from ngram_hal.engine.model import LlamaModel
 from ngram_hal.engine.request import SamplingParams
 from ngram_hal.reference import CpuBackend
+from ngram_hal.spec.drafter import DraftBatch, TrieDrafter
 
 VOCAB = 256
 
@@ -79,6 +80,42 @@ def test_greedy_spec_equals_no_spec(model, prompts, reference, spec_nodes, draft
     _check_against_reference(engine, prompts, reference)
     if spec_nodes > 1:
         assert engine.stats.tokens_per_step > 1.2
+
+
+class ShortDrafts(TrieDrafter):
+    """A trie drafter whose trees keep at most ``limit`` drafted nodes (the rest is padding)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def draft(self, rids, num_nodes):
+        batch = super().draft(rids, num_nodes)
+        drafted = batch.drafted.clamp(max=self.limit)
+        B = batch.batch_size
+        tokens = batch.tokens.view(B, num_nodes).clone()
+        mask = batch.tree_mask.clone()
+        for b in range(B):
+            n = int(drafted[b])
+            tokens[b, n:] = tokens[b, 0]
+            mask[b, n:] = torch.tril(torch.ones(num_nodes, num_nodes, dtype=torch.bool))[n:]
+            mask[b, n:, 1:n] = False
+        return DraftBatch(tokens.view(-1), mask, drafted)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_steps_run_only_the_drafted_nodes(model, prompts, reference, limit):
+    """Padding past the fullest draft of the batch is not run: with nothing drafted a step is a
+    plain decode step; with at most 3 drafted nodes a step runs 3 nodes. Output stays exact."""
+    engine = Engine(model, None, EngineConfig(spec_nodes=8, num_slots=1024, max_context_len=256),
+                    drafter=ShortDrafts(limit))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert_all_free(engine)
+    if limit == 1:
+        assert engine.stats.tree_nodes == engine.stats.decode_steps
+    else:
+        assert engine.stats.decode_steps < engine.stats.tree_nodes <= limit * engine.stats.decode_steps
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -56,8 +56,9 @@ class EngineConfig(BaseModel):
 
     ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
     ``spec_policy="auto"`` lets each verify step use D or 1 node, whichever is measured faster
-    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way, a step for which the
-    drafter found nothing for any request in the batch runs as a plain decode step (1 node).
+    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way a speculative step runs
+    only as many tree nodes as the fullest draft of the batch holds: a plain decode step (1 node)
+    when the drafter found nothing for any request.
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room).
     """
@@ -84,10 +85,12 @@ class EngineStats:
     ``wait_s``: blocked on a step's event. ``process_s``: host work on a step's results done
     after the next step was enqueued (hidden behind the device on accelerators).
     ``critical_s``: host work on results done before the next step could be enqueued.
+    ``tree_nodes``: draft-tree nodes run per request, summed over decode steps.
     """
 
     prefill_steps: int = 0
     decode_steps: int = 0
+    tree_nodes: int = 0
     decode_tokens: int = 0
     decode_rows: int = 0
     launch_s: float = 0.0
@@ -331,13 +334,17 @@ class Engine:
         self.sched.reserve(reqs, bounds)
         relay, r2t = self.relay, self.sched.req_to_token
         seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
-        draft = self.drafter.draft([r.rid for r in reqs], n) if n > 1 else None
-        if draft is not None and int(draft.drafted.max()) == 1:
-            n = 1  # nothing drafted for any request: a plain decode step costs less than padding
         if n > 1:
-            drafts = up(draft.tokens).view(B, n)
-            tokens = torch.cat([roots.unsqueeze(1), drafts[:, 1:]], dim=1).view(-1)
-            tree_mask = up(draft.tree_mask)
+            draft = self.drafter.draft([r.rid for r in reqs], n)
+            # Nodes past every tree's drafted count are padding: run the step on the first
+            # `keep` nodes (BFS order keeps each parent before its children), 1 if nothing drafted.
+            keep = int(draft.drafted.max())
+            drafts = draft.tokens.view(B, n)[:, :keep]
+            tree_mask_host = draft.tree_mask[:, :keep, :keep].contiguous()
+            n = keep
+        if n > 1:
+            tokens = torch.cat([roots.unsqueeze(1), up(drafts.contiguous())[:, 1:]], dim=1).view(-1)
+            tree_mask = up(tree_mask_host)
         else:
             tokens = roots.contiguous()
             tree_mask = torch.ones((B, 1, 1), dtype=torch.bool, device=self.device)
@@ -367,6 +374,7 @@ class Engine:
         for r in reqs:
             r.inflight += 1
         self.stats.decode_steps += 1
+        self.stats.tree_nodes += n
         return self._ship("decode", reqs, result, logprobs, start)
 
     def _widen(self, relay: OverlapRelay) -> OverlapRelay:

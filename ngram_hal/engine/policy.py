@@ -75,9 +75,11 @@ class SpecPolicy:
 
     def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None) -> None:
         """A finished verify step: ``rows`` requests committed ``tokens`` in ``seconds`` of wall time
-        (None when the time is not a clean per-step sample, e.g. a prefill ran in between)."""
-        if rows == 0 or nodes not in self._tokens:
+        (None when the time is not a clean per-step sample, e.g. a prefill ran in between). A
+        speculative step cut short to fewer than D nodes counts as a step of the D mode."""
+        if rows == 0 or nodes < 1:
             return
+        nodes = 1 if nodes == 1 else self.num_nodes
         self._tokens[nodes].add(tokens / rows)
         if seconds is not None:
             self._seconds[nodes].add(seconds / rows)

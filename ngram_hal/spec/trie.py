@@ -384,6 +384,23 @@ def _first_empty(sinfo, rows):
 
 
 @njit(cache=True)
+def _start_tree(nodes, state, sinfo, rows, b, min_match, max_match, out_tok, out_par, lengths):
+    """Root tree ``b`` at its stream's last token; fill ``lengths`` int64[state.shape[1]] with the
+    lengths of the stream's matched suffixes whose trie nodes have children, from ``max_match``
+    down to ``min_match``, and return how many."""
+    r = rows[b]
+    out_tok[b, 0] = sinfo[r, LAST]
+    out_par[b, 0] = -1
+    found = 0
+    for m in range(min(max_match, state.shape[1] - 1), min_match - 1, -1):
+        node = state[r, m]
+        if node >= 0 and nodes[node, FIRST] >= 0:
+            lengths[found] = m
+            found += 1
+    return found
+
+
+@njit(cache=True)
 def draft_bfs(nodes, state, sinfo, rows, min_match, max_match, max_breadth, min_breadth,
               out_tok, out_par, out_mask, out_real):
     """Draft trees breadth-first by recency into ``out_tok``/``out_par`` int64[B, D] and
@@ -401,22 +418,19 @@ def draft_bfs(nodes, state, sinfo, rows, min_match, max_match, max_breadth, min_
     if empty >= 0:
         return empty
     D = out_tok.shape[1]
+    lengths = np.empty(state.shape[1], np.int64)
     scale = (max_breadth - min_breadth) / (max_match - min_match + 1)
     q_tree = np.empty(D, np.int64)
     q_node = np.empty(D, np.int64)
     q_breadth = np.empty(D, np.float64)
     for b in range(rows.size):
-        r = rows[b]
-        out_tok[b, 0] = sinfo[r, LAST]
-        out_par[b, 0] = -1
         n = 1
-        top = min(max_match, state.shape[1] - 1)
-        for m in range(top, min_match - 1, -1):
+        found = _start_tree(nodes, state, sinfo, rows, b, min_match, max_match, out_tok, out_par, lengths)
+        for k in range(found):
             if n == D:
                 break
-            node = state[r, m]
-            if node < 0 or nodes[node, FIRST] < 0:
-                continue
+            m = lengths[k]
+            node = state[rows[b], m]
             q_tree[0] = 0
             q_node[0] = node
             q_breadth[0] = min_breadth + (max_match - m) * scale
@@ -482,6 +496,7 @@ def draft_frequency(nodes, state, sinfo, rows, min_match, max_match, out_tok, ou
     if empty >= 0:
         return empty
     D = out_tok.shape[1]
+    lengths = np.empty(state.shape[1], np.int64)
     cap = D
     f_tree = np.empty(cap, np.int64)
     f_node = np.empty(cap, np.int64)
@@ -489,17 +504,12 @@ def draft_frequency(nodes, state, sinfo, rows, min_match, max_match, out_tok, ou
     f_total = np.empty(cap, np.float64)
     f_best = np.empty(cap, np.int64)
     for b in range(rows.size):
-        r = rows[b]
-        out_tok[b, 0] = sinfo[r, LAST]
-        out_par[b, 0] = -1
         n = 1
-        top = min(max_match, state.shape[1] - 1)
-        for m in range(top, min_match - 1, -1):
+        found = _start_tree(nodes, state, sinfo, rows, b, min_match, max_match, out_tok, out_par, lengths)
+        for k in range(found):
             if n == D:
                 break
-            node = state[r, m]
-            if node < 0 or nodes[node, FIRST] < 0:
-                continue
+            node = state[rows[b], lengths[k]]
             f_tree[0] = 0
             f_node[0] = node
             f_prob[0] = 1.0

@@ -80,12 +80,12 @@ def test_layout_reused_across_layers_and_rebuilt_after_in_place_change():
     """The layout is built once for the same metadata and rebuilt when ``req_to_token`` changes."""
     call = attention_call(random.Random("reuse"), "cpu", torch.float32, poison=True, **CASES["blocks-decode"])
     _assert_dense(call, _run(call))
-    first = ref_attention._LastLayout.value
+    first = ref_attention._LastLayout.entry[2]
     _assert_dense(call, _run(call))
-    assert ref_attention._LastLayout.value is first
+    assert ref_attention._LastLayout.entry[2] is first
     table, rows = call.args["req_to_token"], call.args["req_pool_indices"]
     r, free = int(rows[1]), call.args["kv"].num_slots - 1
     table[r, 0] = free
     call.args["kv"].k[call.args["layer"], free] = 7.0
     _assert_dense(call, _run(call))
-    assert ref_attention._LastLayout.value is not first
+    assert ref_attention._LastLayout.entry[2] is not first

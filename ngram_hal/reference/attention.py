@@ -94,12 +94,11 @@ class _LastLayout:
     identity and version counter (bumped by in-place writes, e.g. to ``req_to_token``), and the
     entry keeps the tensors alive so that an identity cannot be reused while cached. Inference
     tensors have no version counter, so metadata made under ``torch.inference_mode`` is never
-    cached.
+    cached. The entry ``(key, tensors, value)`` is replaced as one object, so concurrent callers
+    never pair one call's key with another's layout.
     """
 
-    key: tuple | None = None
-    tensors: tuple = ()
-    value: tuple[_Blocks, torch.Tensor] | None = None
+    entry: tuple | None = None
 
 
 def _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N: int, T: int, scratch: int
@@ -107,11 +106,11 @@ def _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N: int, 
     """Blocks and the KV rows (int64[G, T]) each block reads; masked keys read the scratch row."""
     tensors = (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)
     cacheable = not any(t is not None and t.is_inference() for t in tensors)
-    key = None
     if cacheable:
         key = tuple((id(t), t._version) if t is not None else None for t in tensors) + (N, T, scratch)
-        if _LastLayout.key == key:
-            return _LastLayout.value
+        entry = _LastLayout.entry
+        if entry is not None and entry[0] == key:
+            return entry[2]
     cols = torch.arange(T, dtype=torch.int64, device=req_to_token.device)
     if tree_mask is not None:
         blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
@@ -119,7 +118,7 @@ def _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N: int, 
         blocks = _causal_blocks(kv_lens, q_lens, N, cols)
     slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
     rows = torch.where(blocks.mask.any(1), slots, scratch)
-    _LastLayout.key, _LastLayout.tensors, _LastLayout.value = key, tensors, (blocks, rows)
+    _LastLayout.entry = (key, tensors, (blocks, rows)) if cacheable else None
     return blocks, rows
 
 

@@ -336,15 +336,13 @@ class Engine:
         seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
         if n > 1:
             draft = self.drafter.draft([r.rid for r in reqs], n)
-            # Nodes past every tree's drafted count are padding: run the step on the first
-            # `keep` nodes (BFS order keeps each parent before its children), 1 if nothing drafted.
-            keep = int(draft.drafted.max())
-            drafts = draft.tokens.view(B, n)[:, :keep]
-            tree_mask_host = draft.tree_mask[:, :keep, :keep].contiguous()
-            n = keep
+            # Nodes past every tree's drafted count are padding: run the step on the first n of
+            # them (BFS order keeps each parent before its children), 1 when nothing was drafted.
+            n = int(draft.drafted.max())
         if n > 1:
-            tokens = torch.cat([roots.unsqueeze(1), up(drafts.contiguous())[:, 1:]], dim=1).view(-1)
-            tree_mask = up(tree_mask_host)
+            drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
+            tokens = torch.cat([roots.unsqueeze(1), drafts], dim=1).view(-1)
+            tree_mask = up(draft.tree_mask[:, :n, :n].contiguous())
         else:
             tokens = roots.contiguous()
             tree_mask = torch.ones((B, 1, 1), dtype=torch.bool, device=self.device)

@@ -77,7 +77,7 @@ class SpecPolicy:
         """A finished verify step: ``rows`` requests committed ``tokens`` in ``seconds`` of wall time
         (None when the time is not a clean per-step sample, e.g. a prefill ran in between). A
         speculative step cut short to fewer than D nodes counts as a step of the D mode."""
-        if rows == 0 or nodes < 1:
+        if rows == 0:
             return
         nodes = 1 if nodes == 1 else self.num_nodes
         self._tokens[nodes].add(tokens / rows)

@@ -130,8 +130,9 @@ def test_file_facts(model):
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.head_dim == 64 and cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
     assert model.tokenizer_metadata.model == "gpt2" and cfg.eos_token_id == 2
-    tensors = [model.embed, model.norm] + [t for layer in model.layers for t in vars(layer).values()]
-    assert sum(t.numel() for t in tensors) == 134_515_008
+    parts = [model.embed, model.norm] + [t for layer in model.layers for t in vars(layer).values()]
+    assert sum(t.numel() if isinstance(t, torch.Tensor) else t.out_features * t.in_features
+               for t in parts) == 134_515_008
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

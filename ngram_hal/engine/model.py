@@ -3,7 +3,8 @@
 Per layer: RMSNorm, fused QKV projection, rotary embeddings at each token's position,
 ``backend.store_kv`` of the new K/V rows, ``backend.attention`` over the cache, output projection,
 RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``; the only model-side ops that touch
-the cache go through the backend.
+the cache go through the backend. The projections are :mod:`ngram_hal.engine.linear` layers
+(panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..backend import Backend
 from ..memory.kv_cache import KVCache
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
+from .linear import Linear, make_linear
 
 
 @dataclass
@@ -55,11 +57,11 @@ class ForwardBatch:
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor
-    wo: torch.Tensor
+    wqkv: Linear
+    wo: Linear
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: Linear
+    w_down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,20 +151,20 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")
+        self.embed = make_linear(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else make_linear(w("lm_head.weight"))
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(_Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
-                wqkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                w(p + "self_attn.v_proj.weight")]),
-                wo=w(p + "self_attn.o_proj.weight"),
+                wqkv=make_linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                            w(p + "self_attn.v_proj.weight")])),
+                wo=make_linear(w(p + "self_attn.o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                w_down=w(p + "mlp.down_proj.weight"),
+                w_gate_up=make_linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                w_down=make_linear(w(p + "mlp.down_proj.weight")),
             ))
 
     @classmethod
@@ -212,21 +214,21 @@ class LlamaModel:
         if max_kv_len is None:
             max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self.embed.rows(batch.input_ids)
         cos, sin = rotary(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qk, v = F.linear(h, layer.wqkv).split([q_size + kv_size, kv_size], dim=-1)
+            qk, v = layer.wqkv(h).split([q_size + kv_size, kv_size], dim=-1)
             qk = apply_rotary(qk.reshape(N, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             q, k = q.contiguous(), k.contiguous()
             be.store_kv(kv, i, batch.out_cache_loc, k, v.reshape(N, cfg.num_kv_heads, cfg.head_dim).contiguous())
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len)
-            x = x + F.linear(o.reshape(N, q_size), layer.wo)
+            x = x + layer.wo(o.reshape(N, q_size))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.w_gate_up(h).chunk(2, dim=-1)
+            x = x + layer.w_down(F.silu(gate) * up)
         if batch.logits_index is not None:
             x = x.index_select(0, batch.logits_index)
-        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps)).float()

@@ -1,0 +1,82 @@
+"""Every projection of SmolLM2-135M for M rows: PanelLinear against F.linear, side by side.
+
+One "step" multiplies M rows by all 121 weight matrices of the model (30 layers of QKV, output,
+gate-up and down projections, and the tied LM head; the LM head is left out for the prefill-sized
+M, as the engine computes logits only for the last prompt token). Both sides use the same
+weights from the GGUF file and the same inputs, alternating, in one process. Reports the median
+step time of each and the ratio.
+
+    python bench/bench_panel_linear.py [--threads 1] [--rows 1 2 4 8 16 32 64] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import make_console, make_table, report_header, write_report  # noqa: E402
+
+from ngram_hal.engine.linear import DenseLinear  # noqa: E402
+from ngram_hal.engine.model import LlamaModel  # noqa: E402
+from ngram_hal.registry import get_backend  # noqa: E402
+
+
+def step_layers(model: LlamaModel) -> list:
+    return [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+
+def run_step(layers, head, xs: dict[int, torch.Tensor]) -> None:
+    for lin in layers:
+        lin(xs[lin.in_features])
+    if head is not None:
+        head(xs[head.in_features])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--prefill-rows", type=int, default=444)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default="reports/bench_panel_linear.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = LlamaModel.from_gguf(get_backend("cpu"))
+    panel = step_layers(model)
+    dense = [DenseLinear(lin.dense()) for lin in panel]
+    heads = {"panel": model.lm_head, "dense": DenseLinear(model.lm_head.dense())}
+    console = make_console()
+    table = make_table(f"Projections of one SmolLM2-135M step, float32, {torch.get_num_threads()} thread(s)",
+                       ("rows", "PanelLinear ms", "F.linear ms", "F.linear / PanelLinear"))
+    results = []
+    cases = [(m, True) for m in args.rows] + [(args.prefill_rows, False)]
+    for rows, with_head in cases:
+        gen = torch.Generator().manual_seed(rows)
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {lin.in_features for lin in panel}}
+        times = {"panel": [], "dense": []}
+        repeats = args.repeats if with_head else 3
+        for name, layers in (("panel", panel), ("dense", dense)):
+            run_step(layers, heads[name] if with_head else None, xs)
+        for _ in range(repeats):
+            for name, layers in (("panel", panel), ("dense", dense)):
+                start = time.perf_counter()
+                run_step(layers, heads[name] if with_head else None, xs)
+                times[name].append(time.perf_counter() - start)
+        p, d = statistics.median(times["panel"]) * 1e3, statistics.median(times["dense"]) * 1e3
+        label = str(rows) if with_head else f"{rows} (prefill, no LM head)"
+        table.add_row(label, f"{p:.1f}", f"{d:.1f}", f"{d / p:.2f}x")
+        results.append({"rows": rows, "lm_head": with_head, "panel_ms": p, "f_linear_ms": d, "speedup": d / p})
+    console.print(table)
+    write_report(args.json, {**report_header("bench_panel_linear", model.backend), "results": results}, console)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The model's linear layers: the fastest product for the weight's device and dtype.
+
+Both kinds hold a ``[N, K]`` weight and offer ``layer(x)`` (``x @ weight.T``, float[M, K] ->
+float[M, N]) and ``layer.rows(ids)`` (an embedding lookup, int64[n] -> float[n, K], for a weight
+tied to the token embeddings). :func:`make_linear` picks :class:`ngram_hal.kernels.cpu.PanelLinear`
+for float32 on the CPU (memory-bound small-row products, see its module) and :class:`DenseLinear`
+(``F.linear``) everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.cpu import PanelLinear
+
+
+class DenseLinear:
+    """``x @ weight.T`` through ``F.linear`` on the weight's device, in its dtype.
+
+    Args:
+        weight: float[N, K].
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: float[M, K] -> float[M, N]."""
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64[n] -> float[n, K]."""
+        return F.embedding(ids, self.weight)
+
+    def dense(self) -> torch.Tensor:
+        """The weight, float[N, K]."""
+        return self.weight
+
+
+Linear = PanelLinear | DenseLinear
+
+
+def make_linear(weight: torch.Tensor) -> Linear:
+    """A linear layer over ``weight`` (float[N, K], already on its device and in its dtype)."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return PanelLinear(weight)
+    return DenseLinear(weight)

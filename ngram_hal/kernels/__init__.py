@@ -1,0 +1,1 @@
+"""Kernels the engine uses beside the HAL's ops, one module per kernel with its checking wrapper."""

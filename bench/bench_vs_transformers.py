@@ -7,7 +7,7 @@ target forward for both, and how closely our greedy tokens match transformers' g
 
 Ours runs plain (D = 1), with the trie drafter, with the linear prompt-lookup drafter (the same
 algorithm as transformers' prompt lookup) and with the trie under the ``auto`` policy (each step
-picks D or 1 from measured throughput). Tokens/s is end to end per request (prefill included),
+picks 1, 2, 4 or D nodes from measured throughput). Tokens/s is end to end per request (prefill included),
 the same for both sides. All settings run one after another on each prompt, so a change in
 machine load hits all of them. "Tokens per forward" is new tokens / target forwards (ours:
 verify steps + 1 prefill; theirs: forward calls), so a plain decode scores 1.0 on both sides.

@@ -1,10 +1,10 @@
-"""The speculation policy: D when speculation is measured faster, 1 when it would lose, with probes."""
+"""The speculation policy: the tree size measured fastest among 1, 2, 4, ..., D, with probes."""
 
 from __future__ import annotations
 
 import pytest
 
-from ngram_hal.engine.policy import SpecPolicy
+from ngram_hal.engine.policy import SpecPolicy, tree_sizes
 
 
 def drive(policy: SpecPolicy, steps: int, cost: dict[int, float], tokens: dict[int, float], rows: int = 16):
@@ -16,34 +16,49 @@ def drive(policy: SpecPolicy, steps: int, cost: dict[int, float], tokens: dict[i
     return chosen
 
 
+def test_tree_sizes():
+    assert tree_sizes(8) == [1, 2, 4, 8]
+    assert tree_sizes(6) == [1, 2, 4, 6]
+    assert tree_sizes(1) == [1]
+    assert SpecPolicy(8, "always").sizes == [8]
+
+
 def test_always_uses_d():
     policy = SpecPolicy(8, "always")
     assert drive(policy, 10, {8: 1.0, 1: 0.1}, {8: 1.0, 1: 1.0}) == [8] * 10
 
 
 def test_auto_turns_speculation_down_when_it_loses():
-    # 8 nodes cost 3x a plain step but commit only 1.5 tokens: plain wins, spec is probed now and then.
-    policy = SpecPolicy(8, "auto", probe_every=8)
-    chosen = drive(policy, 60, {8: 0.3, 1: 0.1}, {8: 1.5, 1: 1.0})
+    # Every tree costs more than it commits: plain wins, the other sizes are probed now and then.
+    policy = SpecPolicy(8, "auto", probe_every=4)
+    chosen = drive(policy, 80, {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5})
     tail = chosen[10:]
-    assert tail.count(1) > 0.8 * len(tail)
-    assert 8 in tail
-    assert policy.rate(1) > policy.rate(8)
+    assert tail.count(1) > 0.7 * len(tail)
+    assert {2, 4, 8} <= set(tail)
+    assert max(policy.sizes, key=policy.rate) == 1
 
 
 def test_auto_keeps_speculation_when_it_wins():
     policy = SpecPolicy(8, "auto", probe_every=8)
-    chosen = drive(policy, 60, {8: 0.15, 1: 0.1}, {8: 4.0, 1: 1.0})
+    chosen = drive(policy, 60, {1: 0.1, 2: 0.11, 4: 0.12, 8: 0.15}, {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.0})
     tail = chosen[10:]
     assert tail.count(8) > 0.8 * len(tail)
-    assert 1 in tail
+    assert set(tail) - {8}
+
+
+def test_auto_picks_a_middle_size():
+    # A batch where 8 nodes per request make the step compute-bound: 4 nodes give the best rate.
+    policy = SpecPolicy(8, "auto", probe_every=8)
+    chosen = drive(policy, 60, {1: 0.1, 2: 0.11, 4: 0.13, 8: 0.4}, {1: 1.0, 2: 1.6, 4: 2.4, 8: 3.0})
+    assert chosen[10:].count(4) > 0.8 * len(chosen[10:])
 
 
 def test_auto_follows_a_change_in_the_workload():
     policy = SpecPolicy(8, "auto", probe_every=4)
-    drive(policy, 40, {8: 0.3, 1: 0.1}, {8: 1.2, 1: 1.0})
-    assert policy.choose() in (1, 8)
-    chosen = drive(policy, 60, {8: 0.3, 1: 0.1}, {8: 6.0, 1: 1.0})
+    cost = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}
+    drive(policy, 40, cost, {1: 1.0, 2: 1.1, 4: 1.15, 8: 1.2})
+    assert policy.choose() in policy.sizes
+    chosen = drive(policy, 80, cost, {1: 1.0, 2: 1.9, 4: 3.5, 8: 6.0})
     assert chosen[-20:].count(8) > 14
 
 

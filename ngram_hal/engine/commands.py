@@ -43,8 +43,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     parser.add_argument("--prompt", metavar="TEXT", default=None, help="one user message to answer")
     parser.add_argument("--no-spec", action="store_true", help="decode without speculation")
-    parser.add_argument("--spec-policy", choices=("always", "auto"), default="always",
-                        help="auto: each step uses D nodes or 1, whichever is measured faster")
+    parser.add_argument("--spec-policy", choices=("always", "auto"), default="auto",
+                        help="auto (default): each step uses 1, 2, 4, ... or D nodes, whichever is measured "
+                             "fastest; always: D nodes")
     parser.add_argument("--no-overlap", action="store_true", help="process each step before launching the next")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)

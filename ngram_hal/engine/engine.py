@@ -55,8 +55,8 @@ class EngineConfig(BaseModel):
     """Engine settings.
 
     ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
-    ``spec_policy="auto"`` lets each verify step use D or 1 node, whichever is measured faster
-    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way a speculative step runs
+    ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever is
+    measured fastest (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way a speculative step runs
     only as many tree nodes as the fullest draft of the batch holds: a plain decode step (1 node)
     when the drafter found nothing for any request.
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
@@ -328,7 +328,7 @@ class Engine:
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
-        n = self.policy.choose()
+        n = size = self.policy.choose()
         B = len(reqs)
         bounds = [r.seq_bound(D) for r in reqs]
         self.sched.reserve(reqs, bounds)
@@ -373,7 +373,9 @@ class Engine:
             r.inflight += 1
         self.stats.decode_steps += 1
         self.stats.tree_nodes += n
-        return self._ship("decode", reqs, result, logprobs, start)
+        step = self._ship("decode", reqs, result, logprobs, start)
+        step.tree_size = size
+        return step
 
     def _widen(self, relay: OverlapRelay) -> OverlapRelay:
         """The relay of a step run with fewer nodes, laid out with the engine's stride D."""
@@ -434,7 +436,7 @@ class Engine:
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
             last = self._last_done
-            self.policy.observe(step.num_nodes, rows, committed,
+            self.policy.observe(step.tree_size, rows, committed,
                                 done - last[1] if last is not None and last[0] == "decode" else None)
         self._last_done = (step.kind, done)
 

@@ -51,6 +51,7 @@ class InflightStep:
         logprobs: host float32[B*D] or None.
         event: recorded after the copies; complete once the host buffers are valid.
         launch_s: host seconds spent enqueuing the step.
+        tree_size: the draft-tree size the speculation policy chose for a decode step.
     """
 
     kind: str
@@ -61,6 +62,7 @@ class InflightStep:
     logprobs: torch.Tensor | None
     event: object
     launch_s: float = 0.0
+    tree_size: int = 1
     absorbed: bool = False
     wait_s: float = field(default=0.0)
     done_at: float = field(default=0.0)

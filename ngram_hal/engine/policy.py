@@ -1,13 +1,14 @@
-"""When speculation would lose, turn it down: the per-step choice between D draft nodes and 1.
+"""How many draft nodes a verify step runs: D always, or (``auto``) the size measured fastest.
 
-A verify step over D nodes per request costs more than a plain decode step (on a compute-bound
-device, about D times the tokens), and pays off only when enough drafts are accepted. The
-``auto`` policy measures both sides while serving: for each mode it keeps moving averages of the
-tokens committed per request per step and of the wall time per request per step (time between
-the completions of consecutive decode steps, so host overheads count too), and runs the mode
-with the higher estimated tokens per second. The other mode is re-measured every
-``probe_every`` steps, so the choice follows the workload (a copy-heavy stretch starts, a batch
-grows). Greedy output is unaffected: every step is exact whichever D it uses.
+A verify step over n nodes per request costs more than a plain decode step, and pays off only
+when enough drafts are accepted; which n wins depends on the batch (B*n rows go through the
+model), the device and the text. The ``auto`` policy measures while serving: for each tree size
+of 1, 2, 4, ... up to D it keeps moving averages of the tokens committed per request per step
+and of the wall time per request per step (time between the completions of consecutive decode
+steps, so host overheads count too), and runs the size with the highest estimated tokens per
+second. Every ``probe_every`` steps it runs the size it has measured least recently instead, so
+the choice follows the workload (a copy-heavy stretch starts, a batch grows). Greedy output is
+unaffected: every step is exact whatever size it uses.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ class _Average:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
 
 
+def tree_sizes(num_nodes: int) -> list[int]:
+    """The sizes ``auto`` chooses among: 1, the powers of two below ``num_nodes``, and ``num_nodes``."""
+    return sorted({1, num_nodes} | {1 << i for i in range(1, num_nodes.bit_length()) if 1 << i < num_nodes})
+
+
 class SpecPolicy:
     """Picks the draft-tree size of each verify step.
 
     Args:
-        num_nodes: D, the speculative tree size.
-        mode: ``"always"`` (every step uses D) or ``"auto"`` (D or 1, whichever is measured faster).
-        probe_every: in ``auto``, steps after which the mode not in use is tried once again.
+        num_nodes: D, the largest speculative tree.
+        mode: ``"always"`` (every step uses D) or ``"auto"`` (the size in :func:`tree_sizes`
+            measured fastest).
+        probe_every: in ``auto``, steps between two probes of the size measured least recently.
         decay: weight of the past in the moving averages.
     """
 
@@ -40,10 +47,12 @@ class SpecPolicy:
         self.num_nodes = num_nodes
         self.mode = mode
         self.probe_every = probe_every
-        self._tokens = {n: _Average(decay) for n in (1, num_nodes)}
-        self._seconds = {n: _Average(decay) for n in (1, num_nodes)}
-        self._since = {n: 0 for n in (1, num_nodes)}
-        self.chosen = {n: 0 for n in (1, num_nodes)}
+        self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
+        self._tokens = {n: _Average(decay) for n in self.sizes}
+        self._seconds = {n: _Average(decay) for n in self.sizes}
+        self._last_run = {n: 0 for n in self.sizes}
+        self._steps = 0
+        self.chosen = {n: 0 for n in self.sizes}
 
     def rate(self, nodes: int) -> float | None:
         """Estimated tokens per request-second with ``nodes``, or None before it has been measured."""
@@ -54,32 +63,28 @@ class SpecPolicy:
 
     def choose(self) -> int:
         """The draft-tree size of the next verify step."""
-        D = self.num_nodes
-        if self.mode == "always" or D == 1:
-            nodes = D
+        self._steps += 1
+        unmeasured = [n for n in self.sizes if self.rate(n) is None]
+        if len(self.sizes) == 1:
+            nodes = self.sizes[0]
+        elif unmeasured:
+            nodes = max(unmeasured)
+        elif self._steps % self.probe_every == 0:
+            best = max(self.sizes, key=self.rate)
+            nodes = min((n for n in self.sizes if n != best), key=self._last_run.__getitem__)
         else:
-            spec, plain = self.rate(D), self.rate(1)
-            if spec is None:
-                nodes = D
-            elif plain is None:
-                nodes = 1
-            else:
-                nodes = D if spec >= plain else 1
-                other = 1 if nodes == D else D
-                if self._since[other] >= self.probe_every:
-                    nodes = other
-        for n in self._since:
-            self._since[n] = 0 if n == nodes else self._since[n] + 1
+            nodes = max(self.sizes, key=self.rate)
+        self._last_run[nodes] = self._steps
         self.chosen[nodes] += 1
         return nodes
 
     def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None) -> None:
-        """A finished verify step: ``rows`` requests committed ``tokens`` in ``seconds`` of wall time
-        (None when the time is not a clean per-step sample, e.g. a prefill ran in between). A
-        speculative step cut short to fewer than D nodes counts as a step of the D mode."""
+        """A finished verify step run at size ``nodes`` (as :meth:`choose` gave it, even when the
+        step was cut short to fewer drafted nodes): ``rows`` requests committed ``tokens`` in
+        ``seconds`` of wall time (None when the time is not a clean per-step sample, e.g. a
+        prefill ran in between)."""
         if rows == 0:
             return
-        nodes = 1 if nodes == 1 else self.num_nodes
         self._tokens[nodes].add(tokens / rows)
         if seconds is not None:
             self._seconds[nodes].add(seconds / rows)

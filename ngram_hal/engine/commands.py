@@ -213,6 +213,7 @@ def bench_command(args: argparse.Namespace) -> int:
             res = run_prompts(engine, setup.tokenizer, workload, params, progress=sys.stderr.isatty())
             rows.append({"batch": batch, "run": name, "spec_nodes": engine.num_nodes, "policy": policy,
                          "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.num_nodes, 0),
+                         "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
                          "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]})
             del engine
     _add_ratios(rows)

@@ -170,11 +170,10 @@ class PanelLinear:
             if rows != M:
                 x = torch.cat([x, x.new_zeros(rows - M, self.in_features)])
             out = torch.empty(rows, width, dtype=torch.float32)
-            if threads == 1:
-                _panel_matmul(x.contiguous().numpy(), self._panels, out.numpy(), blocked)
-            else:
+            if threads > 1:
                 _set_threads(threads)
-                _panel_matmul_parallel(x.contiguous().numpy(), self._panels, out.numpy(), blocked)
+            kernel = _panel_matmul_parallel if threads > 1 else _panel_matmul
+            kernel(x.contiguous().numpy(), self._panels, out.numpy(), blocked)
             out = out[:M]
         return out if width == self.out_features else out[:, :self.out_features].contiguous()
 

@@ -29,7 +29,7 @@ from common import machine, make_console, make_table, utc_now, write_report  # n
 from realtext import load_tokens  # noqa: E402
 from replay import Replay  # noqa: E402
 
-from ngram_hal.spec.drafter import LinearDrafter, TrieDrafter  # noqa: E402
+from ngram_hal.speculative.drafter import LinearDrafter, TrieDrafter  # noqa: E402
 
 DRAFTERS = {
     "trie-bfs": lambda: TrieDrafter(),

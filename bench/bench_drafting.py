@@ -42,8 +42,8 @@ from common import machine, make_console, make_table, peak_rss_bytes, utc_now, w
 from realtext import load_tokens  # noqa: E402
 from replay import Replay  # noqa: E402
 
-from ngram_hal.spec.corpus import Corpus, as_tokens  # noqa: E402
-from ngram_hal.spec.drafter import DraftBatch, Drafter, LinearDrafter, TrieDrafter, pack_chains  # noqa: E402
+from ngram_hal.speculative.corpus import Corpus, as_tokens  # noqa: E402
+from ngram_hal.speculative.drafter import DraftBatch, Drafter, LinearDrafter, TrieDrafter, pack_chains  # noqa: E402
 
 
 class RescanDrafter(Drafter):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ngram_hal.spec.drafter import DraftBatch, Drafter
+from ngram_hal.speculative.drafter import DraftBatch, Drafter
 
 
 def parents_of(tree_mask: np.ndarray) -> np.ndarray:

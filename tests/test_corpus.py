@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_hal.contract import value_tree_mask
-from ngram_hal.spec import trie
-from ngram_hal.spec.corpus import Corpus, as_tokens
+from ngram_hal.speculative import trie
+from ngram_hal.speculative.corpus import Corpus, as_tokens
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_hal.contract import value_tree_mask
-from ngram_hal.spec.drafter import DraftBatch, Drafter, LinearDrafter, TrieDrafter
+from ngram_hal.speculative.drafter import DraftBatch, Drafter, LinearDrafter, TrieDrafter
 
 FAST = settings(max_examples=40, deadline=None)
 DRAFTERS = {

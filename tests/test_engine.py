@@ -14,7 +14,7 @@ from ngram_hal.engine.engine import Engine, EngineConfig
 from ngram_hal.engine.model import LlamaModel
 from ngram_hal.engine.request import SamplingParams
 from ngram_hal.reference import CpuBackend
-from ngram_hal.spec.drafter import DraftBatch, TrieDrafter
+from ngram_hal.speculative.drafter import DraftBatch, TrieDrafter
 
 VOCAB = 256
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ngram_hal.contract import ContractError
-from ngram_hal.spec.relay import OverlapRelay
+from ngram_hal.speculative.relay import OverlapRelay
 
 
 def _relay(tokens: list[list[int]], lens: list[int], seq_lens: list[int], device="cpu") -> OverlapRelay:

@@ -11,8 +11,8 @@ import torch
 from ngram_hal.contract import ContractError
 from ngram_hal.memory import KVCache, ReqToTokenPool, SlotAllocator
 from ngram_hal.reference import CpuBackend
-from ngram_hal.spec.relay import OverlapRelay
-from ngram_hal.spec.verify import (TreeBatch, commit, prepare_tree, slots_needed, tree_cache_locs, verify_greedy,
+from ngram_hal.speculative.relay import OverlapRelay
+from ngram_hal.speculative.verify import (TreeBatch, commit, prepare_tree, slots_needed, tree_cache_locs, verify_greedy,
                                    verify_sample)
 from ngram_hal_conformance.test_tree_verify import mask_of
 

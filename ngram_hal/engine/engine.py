@@ -39,8 +39,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..spec.relay import OverlapRelay
-from ..spec.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
+from ..speculative.relay import OverlapRelay
+from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
 from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
@@ -106,7 +106,7 @@ class EngineStats:
 
 def make_drafter(kind: str):
     """The drafter named ``kind`` (``"trie"`` or ``"linear"``) with its default settings."""
-    from ..spec.drafter import LinearDrafter, TrieDrafter
+    from ..speculative.drafter import LinearDrafter, TrieDrafter
 
     return {"trie": TrieDrafter, "linear": LinearDrafter}[kind]()
 
@@ -118,7 +118,7 @@ class Engine:
         model: the target model; its backend runs every device op.
         tokenizer: needed for text prompts, stop strings and output text; optional otherwise.
         config: :class:`EngineConfig`.
-        drafter: a :class:`ngram_hal.spec.drafter.Drafter`; default from ``config.drafter``.
+        drafter: a :class:`ngram_hal.speculative.drafter.Drafter`; default from ``config.drafter``.
         eos_token_ids: tokens that end a request (unless ``ignore_eos``); default the model's EOS.
     """
 

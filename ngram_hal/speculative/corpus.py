@@ -17,7 +17,7 @@ holds count as just visited. The arrays are sized for ``capacity`` up front, uni
 zero-filled, so the OS commits their pages only as nodes first use them, and the corpus never
 copies or rehashes while it grows.
 
-The compiled kernels and the array layout are in :mod:`ngram_hal.spec.trie`.
+The compiled kernels and the array layout are in :mod:`ngram_hal.speculative.trie`.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class TrieDrafterConfig(BaseModel):
 
 
 class TrieDrafter(Drafter):
-    """Draft trees from the n-gram :class:`~ngram_hal.spec.corpus.Corpus`.
+    """Draft trees from the n-gram :class:`~ngram_hal.speculative.corpus.Corpus`.
 
     Keyword arguments are the fields of :class:`TrieDrafterConfig`. Tokens given to
     :meth:`extend` are recorded at the next :meth:`draft`, for the whole batch in one call.
@@ -167,7 +167,7 @@ class LinearDrafter(Drafter):
     (the latest earlier occurrence of the longest one, at least ``min_ngram`` tokens); the draft
     is the tokens that followed it. Where the copy reaches the end of the context it continues
     periodically (the text after the match is predicted to repeat). Matching is incremental, on a
-    per-request :class:`~ngram_hal.spec.corpus.Corpus` that remembers where each n-gram last
+    per-request :class:`~ngram_hal.speculative.corpus.Corpus` that remembers where each n-gram last
     ended; ``capacity`` bounds its nodes over all requests. With no match the chain pads.
     """
 

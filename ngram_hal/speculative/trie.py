@@ -1,4 +1,4 @@
-"""Compiled kernels of the flat-array n-gram trie behind :class:`ngram_hal.spec.corpus.Corpus`.
+"""Compiled kernels of the flat-array n-gram trie behind :class:`ngram_hal.speculative.corpus.Corpus`.
 
 The trie lives in a few numpy arrays so that one compiled call (numba) records the tokens of a
 whole batch of streams, or builds the draft trees of a whole batch, with no Python object per

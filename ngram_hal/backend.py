@@ -391,10 +391,70 @@ class Backend:
 
     # ---------------------------------------------------------------- attention
 
+    def attention_layout(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         kv_lens: torch.Tensor, q_lens: torch.Tensor, num_queries: int,
+                         tree_mask: torch.Tensor | None = None,
+                         max_kv_len: int | None = None) -> "AttentionLayout":
+        """The work split of one batch's attention, built once and reused by every layer.
+
+        Which queries of which request each program handles and which KV rows it reads depend
+        only on these metadata tensors, so a forward pass builds the layout once and passes it to
+        :meth:`attention` in every layer. A layout is valid while its tensors are unchanged; the
+        backend that built it is the only one that can use it.
+
+        Args:
+            req_to_token: int64[R, M]. req_pool_indices, kv_lens, q_lens: int64[B],
+                ``q_lens <= kv_lens``.
+            num_queries: host int N = ``sum(q_lens)``, the rows of ``q``.
+            tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), or None.
+            max_kv_len: host int >= max(kv_lens); None reads it from the device (a host sync).
+        Returns:
+            An :class:`AttentionLayout`.
+        """
+        op, dev = "attention", self.device
+        c.check_index(op, "req_to_token", req_to_token, dev, ndim=2)
+        c.check_index(op, "req_pool_indices", req_pool_indices, dev, ndim=1)
+        B = req_pool_indices.shape[0]
+        c.check_index(op, "kv_lens", kv_lens, dev, shape=(B,))
+        c.check_index(op, "q_lens", q_lens, dev, shape=(B,))
+        c.check_int(op, "num_queries", num_queries)
+        if tree_mask is not None:
+            c.check_mask(op, "tree_mask", tree_mask, dev, ndim=3)
+            if tree_mask.shape[0] != B or tree_mask.shape[1] != tree_mask.shape[2]:
+                raise c.ContractError(op, "tree_mask", f"expected shape ({B}, D, D), got {tuple(tree_mask.shape)}")
+            if num_queries != B * tree_mask.shape[1]:
+                raise c.ContractError(op, "q", f"with a tree mask q needs B*D = {B * tree_mask.shape[1]} rows, "
+                                      f"got {num_queries}")
+        if max_kv_len is not None:
+            c.check_int(op, "max_kv_len", max_kv_len)
+        self._impl(op)
+        if self.strict:
+            c.value_equal(op, "q", num_queries, int(q_lens.sum()), "rows vs sum(q_lens)")
+            if bool((q_lens > kv_lens).any()) or bool((q_lens < 0).any()):
+                raise c.ContractError(op, "q_lens", "need 0 <= q_lens <= kv_lens")
+            R, M = req_to_token.shape
+            c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
+            c.value_range(op, "kv_lens", kv_lens, 0, M + 1, allow_sentinel=False)
+            if max_kv_len is not None and B and int(kv_lens.max()) > max_kv_len:
+                raise c.ContractError(op, "max_kv_len", "smaller than max(kv_lens)")
+            if tree_mask is not None:
+                c.value_tree_mask(op, "tree_mask", tree_mask)
+        if max_kv_len is None:
+            max_kv_len = int(kv_lens.max()) if B else 0
+        layout = AttentionLayout(backend=self, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                                 kv_lens=kv_lens, q_lens=q_lens, tree_mask=tree_mask,
+                                 num_queries=num_queries, max_kv_len=max_kv_len)
+        layout.plan = self._attention_layout(layout)
+        return layout
+
+    def _attention_layout(self, layout: "AttentionLayout"):
+        """The backend's own precomputed work split for ``layout`` (None: nothing to precompute)."""
+        return None
+
     def attention(self, q: torch.Tensor, kv: "KVCache", layer: int, req_to_token: torch.Tensor,
                   req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                   sm_scale: float, tree_mask: torch.Tensor | None = None,
-                  max_kv_len: int | None = None) -> torch.Tensor:
+                  max_kv_len: int | None = None, layout: "AttentionLayout | None" = None) -> torch.Tensor:
         """Paged attention of B requests' queries over the KV cache (prefill, decode, tree).
 
         Request b has ``q_lens[b]`` queries (rows of ``q``, requests concatenated in order) for
@@ -409,6 +469,8 @@ class Backend:
             kv_lens, q_lens: int64[B], ``q_lens <= kv_lens``.
             sm_scale: softmax scale. tree_mask: bool[B, D, D] or None.
             max_kv_len: host int >= max(kv_lens); lets a backend size buffers without a sync.
+            layout: from :meth:`attention_layout` over these same tensors (every layer of a
+                forward shares one); None builds it here.
         Returns:
             float[N, Hq, d] in q's dtype.
         """
@@ -420,29 +482,54 @@ class Backend:
         c.check_float(op, "q", q, dev, ndim=3, dtypes=(kv.dtype,))
         if q.shape[2] != kv.head_dim or q.shape[1] % kv.num_heads != 0:
             raise c.ContractError(op, "q", f"expected shape (N, k*{kv.num_heads}, {kv.head_dim}), got {tuple(q.shape)}")
-        c.check_index(op, "req_to_token", req_to_token, dev, ndim=2)
-        c.check_index(op, "req_pool_indices", req_pool_indices, dev, ndim=1)
-        B = req_pool_indices.shape[0]
-        c.check_index(op, "kv_lens", kv_lens, dev, shape=(B,))
-        c.check_index(op, "q_lens", q_lens, dev, shape=(B,))
-        if tree_mask is not None:
-            c.check_mask(op, "tree_mask", tree_mask, dev, ndim=3)
-            if tree_mask.shape[0] != B or tree_mask.shape[1] != tree_mask.shape[2]:
-                raise c.ContractError(op, "tree_mask", f"expected shape ({B}, D, D), got {tuple(tree_mask.shape)}")
-            if q.shape[0] != B * tree_mask.shape[1]:
-                raise c.ContractError(op, "q", f"with a tree mask q needs B*D = {B * tree_mask.shape[1]} rows, got {q.shape[0]}")
-        if max_kv_len is not None:
-            c.check_int(op, "max_kv_len", max_kv_len)
-        fn = self._impl(op)
-        if self.strict:
-            c.value_equal(op, "q", q.shape[0], int(q_lens.sum()), "rows vs sum(q_lens)")
-            if bool((q_lens > kv_lens).any()) or bool((q_lens < 0).any()):
-                raise c.ContractError(op, "q_lens", "need 0 <= q_lens <= kv_lens")
-            R, M = req_to_token.shape
-            c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
-            c.value_range(op, "kv_lens", kv_lens, 0, M + 1, allow_sentinel=False)
-            if max_kv_len is not None and B and int(kv_lens.max()) > max_kv_len:
-                raise c.ContractError(op, "max_kv_len", "smaller than max(kv_lens)")
-            if tree_mask is not None:
-                c.value_tree_mask(op, "tree_mask", tree_mask)
-        return fn(q, kv, layer, req_to_token, req_pool_indices, kv_lens, q_lens, sm_scale, tree_mask, max_kv_len)
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+            raise c.ContractError(op, "sm_scale", f"expected a Python float, got {type(sm_scale).__name__}")
+        if layout is None:
+            layout = self.attention_layout(req_to_token, req_pool_indices, kv_lens, q_lens, q.shape[0],
+                                           tree_mask, max_kv_len)
+        elif not isinstance(layout, AttentionLayout):
+            raise c.ContractError(op, "layout", f"expected an AttentionLayout, got {type(layout).__name__}")
+        else:
+            layout.check_matches(self, req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, q.shape[0])
+        return self._impl(op)(q, kv, layer, layout, float(sm_scale))
+
+
+class AttentionLayout:
+    """One batch's attention metadata and the work split a backend derived from it.
+
+    Built by :meth:`Backend.attention_layout`; pass it to every layer's :meth:`Backend.attention`
+    of the same forward. ``plan`` is the backend's own (None for a backend that precomputes
+    nothing). The tensors are held, not copied: writing to them in place invalidates the layout.
+    """
+
+    def __init__(self, backend: Backend, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                 kv_lens: torch.Tensor, q_lens: torch.Tensor, tree_mask: torch.Tensor | None,
+                 num_queries: int, max_kv_len: int):
+        self.backend = backend
+        self.req_to_token = req_to_token
+        self.req_pool_indices = req_pool_indices
+        self.kv_lens = kv_lens
+        self.q_lens = q_lens
+        self.tree_mask = tree_mask
+        self.num_queries = num_queries
+        self.max_kv_len = max_kv_len
+        self.plan = None
+
+    @property
+    def batch_size(self) -> int:
+        """B, the requests in the batch."""
+        return self.req_pool_indices.shape[0]
+
+    def check_matches(self, backend: Backend, req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask,
+                      num_queries: int) -> None:
+        """ContractError naming ``layout`` unless it was built by ``backend`` over these very tensors."""
+        if self.backend is not backend:
+            raise c.ContractError("attention", "layout", f"built by {self.backend!r}, used with {backend!r}")
+        given = (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)
+        held = (self.req_to_token, self.req_pool_indices, self.kv_lens, self.q_lens, self.tree_mask)
+        names = ("req_to_token", "req_pool_indices", "kv_lens", "q_lens", "tree_mask")
+        for name, a, b in zip(names, given, held):
+            if a is not b:
+                raise c.ContractError("attention", "layout", f"built over another '{name}' tensor than the one passed")
+        if num_queries != self.num_queries:
+            raise c.ContractError("attention", "layout", f"built for {self.num_queries} queries, q has {num_queries}")

@@ -51,7 +51,8 @@ class Runtime:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self._host = self.device.type == "cpu"
+        # The meta device (shapes only, used to prove that code never reads data) runs like the CPU.
+        self._host = self.device.type in ("cpu", "meta")
         self._module = None if self._host else torch.get_device_module(self.device.type)
 
     @property

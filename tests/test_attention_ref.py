@@ -9,7 +9,9 @@ import pytest
 import torch
 from ngram_hal_conformance.test_attention import TOLERANCE, attention_call, dense_attention
 
+from ngram_hal import ContractError
 from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import attention as ref_attention
 
 CASES = {
@@ -26,9 +28,7 @@ CASES = {
 
 
 def _run(call):
-    a = call.args
-    return ref_attention.attention(a["q"], a["kv"], a["layer"], a["req_to_token"], a["req_pool_indices"],
-                                   a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"], a["max_kv_len"])
+    return CpuBackend().attention(**call.args)
 
 
 def _assert_dense(call, out):
@@ -71,21 +71,33 @@ def test_no_host_sync(layout):
         return torch.empty(shape, dtype=torch.int64, device=dev)
 
     tree_mask = torch.empty(B, D, D, dtype=torch.bool, device=dev) if D else None
-    out = ref_attention.attention(torch.empty(N, 6, 8, device=dev), kv, 1, idx(4, 16), idx(B), idx(B), idx(B),
-                                  0.3, tree_mask, 16)
+    out = CpuBackend(device=dev).attention(torch.empty(N, 6, 8, device=dev), kv, 1, idx(4, 16), idx(B), idx(B),
+                                           idx(B), 0.3, tree_mask, 16)
     assert out.shape == (N, 6, 8) and out.device.type == "meta"
 
 
-def test_layout_reused_across_layers_and_rebuilt_after_in_place_change():
-    """The layout is built once for the same metadata and rebuilt when ``req_to_token`` changes."""
-    call = attention_call(random.Random("reuse"), "cpu", torch.float32, poison=True, **CASES["blocks-decode"])
-    _assert_dense(call, _run(call))
-    first = ref_attention._LastLayout.entry[2]
-    _assert_dense(call, _run(call))
-    assert ref_attention._LastLayout.entry[2] is first
-    table, rows = call.args["req_to_token"], call.args["req_pool_indices"]
-    r, free = int(rows[1]), call.args["kv"].num_slots - 1
-    table[r, 0] = free
-    call.args["kv"].k[call.args["layer"], free] = 7.0
-    _assert_dense(call, _run(call))
-    assert ref_attention._LastLayout.entry[2] is not first
+def test_one_layout_serves_every_layer():
+    """A layout built once gives each layer the result of a call that builds its own."""
+    call = attention_call(random.Random("reuse"), "cpu", torch.float32, poison=True, num_layers=3,
+                          **CASES["blocks-split-requests"])
+    backend, a = CpuBackend(), call.args
+    layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                      a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
+    for layer in range(3):
+        shared = backend.attention(**{**a, "layer": layer}, layout=layout)
+        own = backend.attention(**{**a, "layer": layer})
+        assert torch.equal(shared, own)
+
+
+def test_layout_refused_for_other_tensors_or_backends():
+    call = attention_call(random.Random("refuse"), "cpu", torch.float32, **CASES["blocks-decode"])
+    backend, a = CpuBackend(), call.args
+    layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                      a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
+    for bad in ({"kv_lens": a["kv_lens"].clone()}, {"q": a["q"][:2].contiguous()}):
+        with pytest.raises(ContractError, match="argument 'layout'"):
+            backend.attention(**{**a, **bad}, layout=layout)
+    with pytest.raises(ContractError, match="argument 'layout'"):
+        CpuBackend().attention(**a, layout=layout)
+    with pytest.raises(ContractError, match="argument 'layout'"):
+        backend.attention(**a, layout="layout")

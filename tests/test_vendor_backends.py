@@ -11,7 +11,8 @@ from importlib import metadata
 import pytest
 import torch
 
-from ngram_hal import registry
+from ngram_hal import OPS, registry
+from ngram_hal_cuda import PROXY_ENV as CUDA_PROXY_ENV
 from ngram_hal_cuda import CudaBackend
 from ngram_hal_npu import NpuBackend
 from ngram_hal_rocm import PROXY_ENV, RocmBackend
@@ -29,6 +30,7 @@ HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 @pytest.fixture(autouse=True)
 def no_proxy(monkeypatch):
     monkeypatch.delenv(PROXY_ENV, raising=False)
+    monkeypatch.delenv(CUDA_PROXY_ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
@@ -40,7 +42,7 @@ def test_registered_by_entry_point(name, cls, dist, device, warp):
     assert ep.load() is cls and registry.backend_class(name) is cls
 
 
-@pytest.mark.parametrize("name, cls, dist, device, warp", VENDORS)
+@pytest.mark.parametrize("name, cls, dist, device, warp", [v for v in VENDORS if v[0] != "cuda"])
 def test_no_ops_yet_and_capabilities(name, cls, dist, device, warp):
     assert cls.default_device == device
     backend = cls(device="cpu")
@@ -52,7 +54,8 @@ def test_no_ops_yet_and_capabilities(name, cls, dist, device, warp):
 
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="checks the reasons given by a CPU-only build of torch")
 def test_cuda_and_rocm_unavailable_with_reason_here():
-    assert CudaBackend.is_available() == (False, f"torch {torch.__version__} is not a CUDA build")
+    assert CudaBackend.is_available() == (
+        False, f"torch {torch.__version__} is not a CUDA build; set {CUDA_PROXY_ENV}=1 for a proxy run")
     available, reason = RocmBackend.is_available()
     assert not available and reason.startswith(f"torch {torch.__version__} is not a ROCm build")
     assert PROXY_ENV in reason
@@ -93,6 +96,30 @@ def test_npu_reports_the_import_error_of_torch_npu(tmp_path, monkeypatch, error,
     available, reason = NpuBackend.is_available()
     assert (available, reason) == (False, f"torch_npu failed to import: {error.__name__}: {message}")
     assert "torch_npu" not in sys.modules
+
+
+def test_cuda_implements_every_op():
+    assert CudaBackend.implemented_ops() == list(OPS)
+    assert CudaBackend(device="cpu").capabilities().ops == list(OPS)
+
+
+@pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs a machine without a GPU")
+def test_cuda_proxy_under_the_triton_interpreter(monkeypatch):
+    monkeypatch.setenv(CUDA_PROXY_ENV, "1")
+    if importlib.util.find_spec("triton") is None:
+        assert CudaBackend.is_available() == (False, "proxy run requested but triton is not installed")
+        return
+    assert CudaBackend.is_available() == (
+        False, "proxy run requested but TRITON_INTERPRET is not 1 and there is no CUDA device")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert CudaBackend.proxy is True
+    assert CudaBackend.is_available() == (True, "proxy: no CUDA device; Triton kernels interpreted on the CPU")
+    caps = registry.get_backend("cuda").capabilities()
+    assert (caps.device, caps.proxy, caps.warp_size, caps.graph_capture) == ("cpu", True, 32, False)
+    info = next(i for i in registry.list_backends() if i.name == "cuda")
+    assert (info.available, info.proxy, info.ops) == (True, True, list(OPS))
+    monkeypatch.setenv(CUDA_PROXY_ENV, "0")
+    assert CudaBackend.proxy is False and not CudaBackend.is_available()[0]
 
 
 def test_rocm_proxy_under_the_triton_interpreter(monkeypatch):

@@ -214,6 +214,8 @@ class LlamaModel:
         if max_kv_len is None:
             max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        layout = be.attention_layout(batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens, N,
+                                     batch.tree_mask, max_kv_len)
         x = self.embed.rows(batch.input_ids)
         cos, sin = rotary(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for i, layer in enumerate(self.layers):
@@ -224,7 +226,7 @@ class LlamaModel:
             q, k = q.contiguous(), k.contiguous()
             be.store_kv(kv, i, batch.out_cache_loc, k, v.reshape(N, cfg.num_kv_heads, cfg.head_dim).contiguous())
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
-                             self.scale, batch.tree_mask, max_kv_len)
+                             self.scale, batch.tree_mask, max_kv_len, layout)
             x = x + layer.wo(o.reshape(N, q_size))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = layer.w_gate_up(h).chunk(2, dim=-1)

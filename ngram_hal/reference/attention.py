@@ -2,7 +2,8 @@
 
 Every block holds up to ``Bq`` consecutive queries of one request and reads that request's keys,
 padded to ``max_kv_len``. Block size and count are host ints derived from shapes only, so nothing
-is read back to the host (only ``max_kv_len=None`` syncs, to compute it):
+is read back to the host. :func:`layout` builds the blocks once per batch (the backend keeps them
+as the plan of an :class:`ngram_hal.AttentionLayout`); :func:`attention` runs one layer:
 
 * tree verify (``tree_mask`` given): one block of ``D`` queries per request, exact;
 * one block per request of ``min(N, max_kv_len)`` queries when that pads at most half the rows
@@ -11,7 +12,7 @@ is read back to the host (only ``max_kv_len=None`` syncs, to compute it):
   gathers of a ragged kernel, whatever the mix of decodes and extends.
 
 Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`.
-Arguments are validated by :class:`ngram_hal.Backend` before :func:`attention` runs.
+Arguments are validated by :class:`ngram_hal.Backend` before these functions run.
 """
 
 from __future__ import annotations
@@ -86,64 +87,50 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return out.reshape(G, H, g, Qg, d).permute(0, 3, 1, 2, 4).reshape(G, Qg, Hq, d)
 
 
-class _LastLayout:
-    """The block layout of the last call, reused while its inputs are the same tensors, unmodified.
+class Plan:
+    """The blocks of one batch and the KV rows (int64[G, T]) each block reads, -1 where a block
+    reads no key; :meth:`rows` maps those to the cache's scratch row, once per cache."""
 
-    Every layer of one forward passes the same metadata tensors; the layout (and the key slots it
-    reads) depends only on them, so it is built once per forward. The key holds each tensor's
-    identity and version counter (bumped by in-place writes, e.g. to ``req_to_token``), and the
-    entry keeps the tensors alive so that an identity cannot be reused while cached. Inference
-    tensors have no version counter, so metadata made under ``torch.inference_mode`` is never
-    cached. The entry ``(key, tensors, value)`` is replaced as one object, so concurrent callers
-    never pair one call's key with another's layout.
-    """
+    def __init__(self, blocks: _Blocks, slots: torch.Tensor):
+        self.blocks = blocks
+        self.slots = slots
+        self._rows: tuple[int, torch.Tensor] | None = None
 
-    entry: tuple | None = None
+    def rows(self, scratch: int) -> torch.Tensor:
+        if self._rows is None or self._rows[0] != scratch:
+            self._rows = (scratch, torch.where(self.slots >= 0, self.slots, scratch))
+        return self._rows[1]
 
 
-def _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N: int, T: int, scratch: int
-            ) -> tuple[_Blocks, torch.Tensor]:
-    """Blocks and the KV rows (int64[G, T]) each block reads; masked keys read the scratch row."""
-    tensors = (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)
-    cacheable = not any(t is not None and t.is_inference() for t in tensors)
-    if cacheable:
-        key = tuple((id(t), t._version) if t is not None else None for t in tensors) + (N, T, scratch)
-        entry = _LastLayout.entry
-        if entry is not None and entry[0] == key:
-            return entry[2]
+def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
+           q_lens: torch.Tensor, tree_mask: torch.Tensor | None, N: int, max_kv_len: int) -> Plan | None:
+    """The blocks of one batch; None when there is nothing to attend to (no query or no key)."""
+    T = min(max_kv_len, req_to_token.shape[1])
+    if N == 0 or T == 0:
+        return None
     cols = torch.arange(T, dtype=torch.int64, device=req_to_token.device)
     if tree_mask is not None:
         blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
     else:
         blocks = _causal_blocks(kv_lens, q_lens, N, cols)
     slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
-    rows = torch.where(blocks.mask.any(1), slots, scratch)
-    _LastLayout.entry = (key, tensors, (blocks, rows)) if cacheable else None
-    return blocks, rows
+    return Plan(blocks, torch.where(blocks.mask.any(1), slots, -1))
 
 
-def attention(q: torch.Tensor, kv: KVCache, layer: int, req_to_token: torch.Tensor,
-              req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
-              sm_scale: float, tree_mask: torch.Tensor | None = None,
-              max_kv_len: int | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_scale: float) -> torch.Tensor:
     """Paged attention; see :meth:`ngram_hal.Backend.attention` for the contract.
 
     Args:
-        q: float[N, Hq, d]. kv_lens, q_lens, req_pool_indices: int64[B]. req_to_token: int64[R, M].
-        tree_mask: bool[B, D, D] or None. max_kv_len: host int >= max(kv_lens); None computes it
-            (a host sync).
+        q: float[N, Hq, d]. plan: what :func:`layout` built for this batch.
     Returns:
         float[N, Hq, d] in q's dtype. Half-precision inputs are computed in float32.
     """
     N, Hq, d = q.shape
-    B = req_pool_indices.shape[0]
-    if max_kv_len is None:
-        max_kv_len = int(kv_lens.max()) if B else 0
-    T = min(max_kv_len, req_to_token.shape[1])
-    if N == 0 or T == 0:
+    if plan is None:
         return torch.zeros_like(q)
+    blocks, rows = plan.blocks, plan.rows(kv.num_slots)
+    T = rows.shape[1]
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    blocks, rows = _layout(req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, N, T, kv.num_slots)
     G, Bq = blocks.req.shape[0], blocks.size
     # Blocks are laid out in query order, so when they hold exactly N rows the layout is the identity.
     dense = G * Bq == N

@@ -44,7 +44,9 @@ class CpuBackend(Backend):
         return verify.verify_tree_sample(candidates, retrieve_index, retrieve_next_token,
                                          retrieve_next_sibling, target_probs, uniform_samples, uniform_final)
 
-    def _attention(self, q, kv_cache, layer, req_to_token, req_pool_indices, kv_lens, q_lens, sm_scale,
-                   tree_mask, max_kv_len):
-        return attention.attention(q, kv_cache, layer, req_to_token, req_pool_indices, kv_lens, q_lens,
-                                   sm_scale, tree_mask, max_kv_len)
+    def _attention_layout(self, layout):
+        return attention.layout(layout.req_to_token, layout.req_pool_indices, layout.kv_lens, layout.q_lens,
+                                layout.tree_mask, layout.num_queries, layout.max_kv_len)
+
+    def _attention(self, q, kv_cache, layer, layout, sm_scale):
+        return attention.attention(q, kv_cache, layer, layout.plan, sm_scale)

@@ -1,7 +1,11 @@
-"""``CudaBackend``: NVIDIA GPUs through a CUDA build of torch.
+"""``CudaBackend``: NVIDIA GPUs through a CUDA build of torch and the portable Triton kernels.
 
-No op is implemented yet (``capabilities().ops`` is empty); discovery already reports
-honestly whether a CUDA device can be used here.
+Every op runs a kernel of :mod:`ngram_hal.kernels.triton` with 32-lane warp launch settings.
+The runtime (streams, events, pinned buffers, graph capture) goes through torch's CUDA API.
+
+Proxy mode: with ``NGRAM_HAL_CUDA_PROXY=1``, ``TRITON_INTERPRET=1`` and no CUDA device, the same
+kernels run in Triton's interpreter on CPU tensors. Such a run checks the kernels' index math,
+not a GPU (no speed, no races), and reports ``proxy=True``.
 """
 
 from __future__ import annotations
@@ -9,23 +13,50 @@ from __future__ import annotations
 import torch
 
 from ngram_hal.backend import Backend
+from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
+from ngram_hal.kernels.triton.ops import TritonOps
+from ngram_hal.proxy import ProxyFlag, requested
+
+from .runtime import CudaRuntime
+
+PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
 
 
-class CudaBackend(Backend):
-    """The CUDA backend: device ``cuda``, 32-lane warps."""
+def _native() -> bool:
+    return torch.version.cuda is not None and torch.version.hip is None and torch.cuda.is_available()
+
+
+class CudaBackend(TritonOps, Backend):
+    """The CUDA backend: device ``cuda``, 32-lane warps, every op a Triton kernel."""
 
     name = "cuda"
     default_device = "cuda"
-    proxy = False
+    proxy = ProxyFlag(PROXY_ENV, _native)
     warp_size = 32
+    launch = LaunchConfig(warp_size=32, num_warps=4, max_num_warps=32)
+
+    def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
+        if device is None and type(self).proxy:
+            device = "cpu"
+        super().__init__(device=device, strict=strict)
+        self.runtime = CudaRuntime(self.device)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Needs a CUDA (not ROCm) build of torch and a visible CUDA device."""
+        """Native: a CUDA (not ROCm) build of torch that sees a device, and Triton. Proxy
+        (opt-in, ``NGRAM_HAL_CUDA_PROXY=1``): Triton and ``TRITON_INTERPRET=1``."""
+        if _native():
+            if not triton_available():
+                return False, "triton is not installed (pip install triton)"
+            return True, ""
+        if requested(PROXY_ENV):
+            if not triton_available():
+                return False, "proxy run requested but triton is not installed"
+            if not interpreting():
+                return False, "proxy run requested but TRITON_INTERPRET is not 1 and there is no CUDA device"
+            return True, "proxy: no CUDA device; Triton kernels interpreted on the CPU"
         if torch.version.hip is not None:
             return False, f"torch {torch.__version__} is a ROCm build (HIP {torch.version.hip}); use the rocm backend"
         if torch.version.cuda is None:
-            return False, f"torch {torch.__version__} is not a CUDA build"
-        if not torch.cuda.is_available():
-            return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
-        return True, ""
+            return False, f"torch {torch.__version__} is not a CUDA build; set {PROXY_ENV}=1 for a proxy run"
+        return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"

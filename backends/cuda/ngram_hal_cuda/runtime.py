@@ -20,6 +20,11 @@ class CudaRuntime(Runtime):
         self._require_graphs()
         return torch.cuda.CUDAGraph()
 
+    def new_graph_pool(self):
+        """A memory pool that several graphs can share (their captures run one after another)."""
+        self._require_graphs()
+        return torch.cuda.graph_pool_handle()
+
     def capture(self, graph: "torch.cuda.CUDAGraph", pool=None, stream=None):
         """Context manager capturing the work enqueued inside it into ``graph``."""
         self._require_graphs()

@@ -219,20 +219,26 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tree = layout.tree_mask
     tree_d = tree.shape[1] if tree is not None else 0
     per_req = tree_d if tree is not None else -(-N // B)
-    block_m = min(max(16, _pow2(per_req * G)), max(16, _pow2(G), cfg.attn_block_m))
+    max_m = max(16, _pow2(G), cfg.attn_block_m)
+    block_m = max_m if layout.batch_invariant else min(_pow2(max(1, per_req) * G), max_m)
+    block_m = max(16, block_m)
     block_q = max(1, block_m // G)
     tiles = plan.tiles(block_q)
     num_tiles = tiles.req.shape[0]
     block_d = max(16, _pow2(d))
     block_n = cfg.attn_block_n(d, q.element_size())
-    max_kv = min(layout.max_kv_len, layout.req_to_token.shape[1])
-    want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
-    splits = 1
-    if num_tiles * H < want and max_kv > cfg.attn_min_split:
-        splits = min(-(-want // (num_tiles * H)), -(-max_kv // cfg.attn_min_split))
-    chunk = -(-max(max_kv, 1) // splits)
+    max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
+    if layout.batch_invariant:
+        # Key chunks at fixed positions: a query's reduction order depends on its own length only.
+        chunk = cfg.attn_min_split
+    else:
+        want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
+        splits = 1
+        if num_tiles * H < want and max_kv > cfg.attn_min_split:
+            splits = min(-(-want // (num_tiles * H)), -(-max_kv // cfg.attn_min_split))
+        chunk = -(-max_kv // splits)
     chunk = -(-chunk // block_n) * block_n
-    splits = -(-max(max_kv, 1) // chunk)
+    splits = -(-max_kv // chunk)
     if splits > 1:
         mid_o = torch.empty((N, Hq, splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)

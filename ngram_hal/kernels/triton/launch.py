@@ -24,6 +24,9 @@ class LaunchConfig:
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_min_split: fewest keys a split of the keys may hold.
         attn_num_stages: software-pipelining stages of the attention key loop.
+        attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
+            keys per step, ``BLOCK_N``).
+        attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
     """
 
     warp_size: int = 32
@@ -34,13 +37,17 @@ class LaunchConfig:
     attn_programs: int | None = None
     attn_min_split: int = 256
     attn_num_stages: int = 2
+    attn_key_bytes: int = 8192
+    attn_warps: int | None = None
 
     def attn_block_n(self, head_dim: int, elt_bytes: int) -> int:
-        """Keys per step of the attention loop: about 8 KiB of K per step."""
-        return max(16, min(128, _pow2_floor(8192 // max(1, head_dim * elt_bytes))))
+        """Keys per step of the attention loop: ``attn_key_bytes`` of K, 16 to 128 keys."""
+        return max(16, min(128, _pow2_floor(self.attn_key_bytes // max(1, head_dim * elt_bytes))))
 
     def attn_num_warps(self, block_m: int, block_d: int) -> int:
-        """Warps of an attention program: 4, or 8 for the largest tiles."""
+        """Warps of an attention program: ``attn_warps``, or 4 (8 for the largest tiles)."""
+        if self.attn_warps is not None:
+            return min(self.max_num_warps, self.attn_warps)
         return min(self.max_num_warps, 8 if block_m * block_d >= 128 * 128 else 4)
 
     def warps(self, threads: int) -> int:

@@ -148,7 +148,7 @@ def move_kv(kv: KVCache, src: torch.Tensor, dst: torch.Tensor, cfg: LaunchConfig
         scratch = torch.empty((programs, N, block_c), dtype=kv.dtype, device=kv.k.device)
     else:
         pair_tile = max(triton.next_power_of_2(N), min(16, cfg.move_pair_tile))
-        scratch = kv.k
+        scratch = kv.k  # not read: stands in for the scratch pointer the register path never uses
     _move_kv_kernel[(programs,)](kv.k, kv.v, src, dst, scratch, N, kv.num_slots, row_len,
                                  (kv.num_slots + 1) * row_len, num_col_blocks, BLOCK_C=block_c,
                                  PAIR_TILE=pair_tile, USE_SCRATCH=use_scratch,

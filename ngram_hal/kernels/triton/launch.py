@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -18,7 +18,6 @@ class LaunchConfig:
         warp_size: threads that run in lockstep (32 on NVIDIA, 64 on AMD CDNA).
         num_warps: warps per program of the small index kernels.
         max_num_warps: the most warps one program may have (1024 threads: 32 on NVIDIA, 16 on AMD).
-        index_block: entries one program handles in the 1-D index kernels.
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
@@ -27,12 +26,27 @@ class LaunchConfig:
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
             keys per step, ``BLOCK_N``).
         attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
+        index_block: the most entries one program handles at once in the index kernels
+            (``alloc_extend``, ``assign_req_to_token``, ``gather_cache_locs``,
+            ``accepted_kv_moves``); a power of two.
+        kv_segment_bytes: bytes of each K/V row that one ``move_kv`` program owns, read and
+            written as one contiguous segment (128: a full cache line of every row).
+        move_pair_tile: move pairs one ``move_kv`` program holds in registers at once; up to this
+            many pairs move straight through registers, more go through a scratch buffer.
+            A power of two.
+        kv_tile_bytes: bytes of K (and as many of V) one ``store_kv`` program copies.
+        tile_bytes_per_thread: bytes of a data tile each thread holds in the KV kernels; sets
+            their warps.
     """
 
     warp_size: int = 32
     num_warps: int = 4
     max_num_warps: int = 32
     index_block: int = 1024
+    kv_segment_bytes: int = 128
+    move_pair_tile: int = 512
+    kv_tile_bytes: int = 16384
+    tile_bytes_per_thread: int = 128
     attn_block_m: int = 64
     attn_programs: int | None = None
     attn_min_split: int = 256
@@ -49,6 +63,17 @@ class LaunchConfig:
         if self.attn_warps is not None:
             return min(self.max_num_warps, self.attn_warps)
         return min(self.max_num_warps, 8 if block_m * block_d >= 128 * 128 else 4)
+
+    def __post_init__(self):
+        powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in ("attn_programs", "attn_warps"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LaunchConfig.{f.name}: expected a positive int, got {value!r}")
+            if f.name in powers_of_two and value & (value - 1):
+                raise ValueError(f"LaunchConfig.{f.name}: expected a power of two, got {value}")
 
     def warps(self, threads: int) -> int:
         """Warps for a program of about ``threads`` threads: a power of two in [1, max_num_warps]."""

@@ -12,6 +12,12 @@ Op groups (``--groups``):
   and ``accepted_kv_moves`` for one speculative decode step of ``--batch`` requests (D draft nodes
   each, contexts around ``--context``). Target: alloc/assign/gather <= 10 us of graph time.
 - ``kv``: ``store_kv`` of the step's B*D rows into one layer.
+- ``attention``: one layer's paged attention, SmolLM2-135M heads (9 query, 3 KV, 64 wide) and
+  Llama-8B heads (32, 8, 128), bf16: decode of 1 and 16 requests at contexts 512, 4K and 32K and
+  tree verify of D = 8 and 16 nodes at 4K, against SDPA on the same K/V already gathered
+  contiguous per request (a lower bound for any paged kernel). Target: graph time within 1.5x of
+  SDPA. A few cases also sweep the kernel's launch settings (keys per step, warps, pipeline
+  stages, programs per multiprocessor) and report the best.
 - ``move``: ``move_kv`` at (layers, kv heads, head dim) = (30, 3, 64), (32, 8, 128), (80, 8, 128),
   bf16, N = 8 ... 16384 pairs (random sources over the slot range, distinct destinations, so
   sources often are other pairs' destinations), against also (a) per-layer torch indexing
@@ -210,7 +216,119 @@ def bench_move(ctx: Context) -> None:
         del kv
 
 
-GROUPS = {"index": bench_index, "kv": bench_kv, "move": bench_move}
+# ------------------------------------------------------------------ attention
+
+ATTN_HEADS = {"SmolLM2-135M": (9, 3, 64), "Llama-8B": (32, 8, 128)}
+ATTN_CASES = ([("decode", B, T, 1) for B in (1, 16) for T in (512, 4096, 32768)]
+              + [("tree", B, 4096, D) for B in (1, 16) for D in (8, 16)])
+QUICK_ATTN_HEADS = {"tiny": (4, 2, 16)}
+QUICK_ATTN_CASES = [("decode", 2, 40, 1), ("tree", 2, 40, 4)]
+# Launch settings tried on a few cases: (key bytes per step, warps, stages, programs per SM).
+ATTN_SWEEP = [(kb, w, st, p) for kb in (4096, 8192, 16384) for w in (4, 8) for st in (1, 2, 3) for p in (2,)] + [
+    (8192, 4, 2, 1), (8192, 4, 2, 4)]
+ATTN_SWEEP_CASES = {("SmolLM2-135M", "decode", 1, 4096), ("SmolLM2-135M", "decode", 16, 4096),
+                    ("SmolLM2-135M", "tree", 16, 4096), ("Llama-8B", "decode", 16, 4096),
+                    ("Llama-8B", "tree", 16, 4096), ("SmolLM2-135M", "decode", 1, 32768)}
+
+
+def attention_case(device, heads: tuple[int, int, int], B: int, T: int, n: int, seed: int):
+    """One layer of attention for B requests of T cached positions (the last n queried; a random
+    tree of n nodes when n > 1), K/V scattered over random slots; and the same K/V gathered
+    contiguous per request with the queries and mask laid out for SDPA."""
+    Hq, H, d = heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    S = B * T
+    kv = KVCache(1, S, H, d, torch.bfloat16, device)
+    kv.k.normal_(generator=gen)
+    kv.v.normal_(generator=gen)
+    table = torch.randperm(S, generator=gen, device=device).view(B, T).contiguous()
+    q = torch.randn((B * n, Hq, d), generator=gen, device=device).to(torch.bfloat16)
+    lens = torch.full((B,), T, dtype=I64, device=device)
+    tree_mask = None
+    visible = None
+    if n > 1:
+        rng = random.Random(seed)
+        parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        tree_mask = mask.to(device).expand(B, n, n).contiguous()
+        visible = torch.ones(B, 1, n, T, dtype=torch.bool, device=device)
+        visible[:, 0, :, T - n:] = tree_mask
+    args = dict(q=q, kv=kv, layer=0, req_to_token=table, req_pool_indices=torch.arange(B, dtype=I64, device=device),
+                kv_lens=lens, q_lens=torch.full((B,), n, dtype=I64, device=device),
+                sm_scale=d ** -0.5, tree_mask=tree_mask, max_kv_len=T)
+    k = kv.k[0, table].transpose(1, 2).contiguous()
+    v = kv.v[0, table].transpose(1, 2).contiguous()
+    sdpa = dict(query=q.view(B, n, Hq, d).transpose(1, 2).contiguous(), key=k, value=v, attn_mask=visible,
+                scale=d ** -0.5)
+    return args, sdpa
+
+
+def sdpa(query, key, value, attn_mask, scale):
+    """SDPA over K/V already contiguous per request (grouped-query heads through ``enable_gqa``)."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                                            enable_gqa=True)
+
+
+def bench_attention(ctx: Context) -> None:
+    args = ctx.args
+    heads_by_name, cases = (QUICK_ATTN_HEADS, QUICK_ATTN_CASES) if args.quick else (ATTN_HEADS, ATTN_CASES)
+    base = ctx.cuda.launch
+    for model, heads in heads_by_name.items():
+        for kind, B, T, n in cases:
+            call, dense = attention_case(ctx.device, heads, B, T, n, args.seed)
+            layout = ctx.cuda.attention_layout(call["req_to_token"], call["req_pool_indices"], call["kv_lens"],
+                                               call["q_lens"], B * n, call["tree_mask"], T)
+            ref_layout = ctx.ref.attention_layout(call["req_to_token"], call["req_pool_indices"], call["kv_lens"],
+                                                  call["q_lens"], B * n, call["tree_mask"], T)
+            want = sdpa(**dense).transpose(1, 2).reshape(B * n, *call["q"].shape[1:]).float()
+            got = ctx.cuda.attention(**call, layout=layout).float()
+            err = float((got - want).norm() / want.norm())
+            if err > 2e-2:
+                raise SystemExit(f"attention {model} {kind} B={B} T={T} n={n}: relative error {err:.3g} vs SDPA")
+            sdpa_graph = ctx.graph_us(lambda: sdpa(**dense))
+            row = ctx.time_pair("attention", "attention", f"{model} {kind} B={B} ctx={T}" + (f" D={n}" if n > 1 else ""),
+                                lambda: ctx.cuda.attention(**call, layout=layout),
+                                lambda: ctx.ref.attention(**call, layout=ref_layout),
+                                sdpa_eager_us=ctx.eager_us(lambda: sdpa(**dense)), sdpa_graph_us=sdpa_graph,
+                                rel_error_vs_sdpa=err)
+            if (model, kind, B, T) in ATTN_SWEEP_CASES or (args.quick and kind == "decode"):
+                row["sweep"] = sweep_attention(ctx, call, base, ATTN_SWEEP[:2] if args.quick else ATTN_SWEEP)
+                best = min(row["sweep"], key=lambda r: r["us"])
+                row["best_us"], row["best_config"] = best["us"], best["config"]
+            ctx.cuda.launch = base
+            if row["cuda_graph_us"] is not None and sdpa_graph:
+                ctx.target(f"attention {row['case']}: graph time / SDPA on contiguous K/V <= 1.5x",
+                           row["cuda_graph_us"] / sdpa_graph, 1.5, False)
+            del call, dense, layout, ref_layout
+
+
+def sweep_attention(ctx: Context, call: dict, base, settings) -> list[dict]:
+    """Time of one attention call (graph-replayed; eager where graphs are not available) under each
+    launch setting of ``settings`` (see :data:`ATTN_SWEEP`)."""
+    from dataclasses import replace
+
+    from ngram_hal.kernels.triton.launch import num_programs_to_fill
+
+    per_sm = max(1, num_programs_to_fill(ctx.device) // 2)
+    results = []
+    for key_bytes, warps, stages, programs in settings:
+        ctx.cuda.launch = replace(base, attn_key_bytes=key_bytes, attn_warps=warps, attn_num_stages=stages,
+                                  attn_programs=programs * per_sm)
+        layout = ctx.cuda.attention_layout(call["req_to_token"], call["req_pool_indices"], call["kv_lens"],
+                                           call["q_lens"], call["q"].shape[0], call["tree_mask"], call["max_kv_len"])
+        results.append({"config": {"key_bytes": key_bytes, "warps": warps, "stages": stages,
+                                   "programs_per_sm": programs},
+                        "us": ctx.graph_us(lambda: ctx.cuda.attention(**call, layout=layout))
+                        or ctx.eager_us(lambda: ctx.cuda.attention(**call, layout=layout))})
+    ctx.cuda.launch = base
+    return results
+
+
+GROUPS = {"index": bench_index, "kv": bench_kv, "move": bench_move, "attention": bench_attention}
 
 
 # ------------------------------------------------------------------ report
@@ -226,15 +344,16 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def print_tables(ctx: Context, console) -> None:
     device = f"{ctx.device} ({device_name(ctx.device)})"
+    others = [r for r in ctx.rows if r["group"] not in ("move", "attention")]
     table = make_table(f"cuda (Triton) vs reference ops on {device}: us per call",
                        ("op", "case", "cuda eager", "ref eager", "ref/cuda", "cuda graph", "ref graph", "ref/cuda "),
                        left=("op", "case"))
-    for r in ctx.rows:
-        if r["group"] != "move":
-            table.add_row(r["op"], r["case"], fmt(r["cuda_eager_us"]), fmt(r["ref_eager_us"]),
-                          ratio(r["ref_eager_us"], r["cuda_eager_us"]), fmt(r["cuda_graph_us"]),
-                          fmt(r["ref_graph_us"]), ratio(r["ref_graph_us"], r["cuda_graph_us"]))
-    console.print(table)
+    for r in others:
+        table.add_row(r["op"], r["case"], fmt(r["cuda_eager_us"]), fmt(r["ref_eager_us"]),
+                      ratio(r["ref_eager_us"], r["cuda_eager_us"]), fmt(r["cuda_graph_us"]),
+                      fmt(r["ref_graph_us"]), ratio(r["ref_graph_us"], r["cuda_graph_us"]))
+    if others:
+        console.print(table)
 
     moves = [r for r in ctx.rows if r["group"] == "move"]
     if moves:
@@ -248,6 +367,17 @@ def print_tables(ctx: Context, console) -> None:
                           fmt(r["cuda_graph_us"]), fmt(r["torch_graph_us"]),
                           ratio(r["torch_graph_us"], r["cuda_graph_us"]), fmt(r["ref_graph_us"]),
                           f"{r['floor_us']:,.2f}", ratio(r["cuda_graph_us"], r["floor_us"]))
+        console.print(table)
+
+    attn = [r for r in ctx.rows if r["group"] == "attention"]
+    if attn:
+        table = make_table(f"attention on {device}: us per layer call, bf16; SDPA on K/V gathered contiguous",
+                           ("case", "cuda eager", "sdpa eager", "cuda graph", "sdpa graph", "cuda/sdpa", "ref graph",
+                            "best swept", "rel err"), left=("case",))
+        for r in attn:
+            table.add_row(r["case"], fmt(r["cuda_eager_us"]), fmt(r["sdpa_eager_us"]), fmt(r["cuda_graph_us"]),
+                          fmt(r["sdpa_graph_us"]), ratio(r["cuda_graph_us"], r["sdpa_graph_us"]), fmt(r["ref_graph_us"]),
+                          fmt(r.get("best_us")), f"{r['rel_error_vs_sdpa']:.1e}")
         console.print(table)
 
     table = make_table("targets", ("target", "measured", "limit", "met"), left=("target",))

@@ -24,6 +24,10 @@ class LaunchConfig:
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_min_split: fewest keys a split of the keys may hold.
         attn_num_stages: software-pipelining stages of the attention key loop.
+        kernel_options: extra keyword options of every kernel launch that only one Triton target
+            knows, as ``(name, value)`` pairs (AMD: ``waves_per_eu``, ``matrix_instr_nonkdim``).
+            Triton refuses another target's options, so a backend sets them only where that
+            target compiles the kernels; launches pass ``**dict(cfg.kernel_options)``.
     """
 
     warp_size: int = 32
@@ -34,6 +38,7 @@ class LaunchConfig:
     attn_programs: int | None = None
     attn_min_split: int = 256
     attn_num_stages: int = 2
+    kernel_options: tuple[tuple[str, int], ...] = ()
 
     def attn_block_n(self, head_dim: int, elt_bytes: int) -> int:
         """Keys per step of the attention loop: about 8 KiB of K per step."""

@@ -13,6 +13,7 @@ import torch
 from ngram_hal import ContractError
 from ngram_hal.memory.kv_cache import KVCache
 from ngram_hal.reference import CpuBackend
+from ngram_hal_conformance.test_attention import random_parents, tree_mask_of
 from ngram_hal_npu import NpuBackend
 from ngram_hal_npu.indices import INT32_MAX, narrow, take
 
@@ -89,25 +90,12 @@ def test_move_kv_cycle_and_overlap(npu):
     assert torch.equal(kv.k[:, :6], want_k[:, :6]) and torch.equal(kv.v[:, :6], want_v[:, :6])
 
 
-def _parents(rng: random.Random, D: int) -> list[int]:
-    return [-1] + [rng.randrange(i) for i in range(1, D)]
-
-
-def _mask(parents: list[int]) -> list[list[bool]]:
-    rows: list[list[bool]] = []
-    for i, p in enumerate(parents):
-        row = list(rows[p]) if p >= 0 else [False] * len(parents)
-        row[i] = True
-        rows.append(row)
-    return rows
-
-
 @pytest.mark.parametrize("D", [1, 2, 9, 33])
 def test_tree_and_verify_match_the_reference_on_wide_batches(npu, D):
     rng = random.Random(D)
     B, V = 24, 7
     ref = CpuBackend(strict=False)
-    mask = torch.tensor([_mask(_parents(rng, D)) for _ in range(B)], dtype=torch.bool)
+    mask = torch.tensor([tree_mask_of(random_parents(rng, D)) for _ in range(B)], dtype=torch.bool)
     seq_lens = torch.randint(0, 50, (B,), dtype=I64)
     got, want = npu.reconstruct_tree(mask, seq_lens), ref.reconstruct_tree(mask, seq_lens)
     for g, w in zip(got, want):

@@ -83,6 +83,14 @@ def test_npu_unavailable_without_torch_npu():
 
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+def test_npu_device_needs_torch_npu():
+    with pytest.raises(ModuleNotFoundError, match="torch_npu"):
+        NpuBackend()
+    with pytest.raises(ModuleNotFoundError, match="torch_npu"):
+        NpuBackend(device="npu:1")
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
 def test_npu_proxy_on_cpu_tensors(monkeypatch):
     monkeypatch.setenv(NPU_PROXY_ENV, "1")
     assert NpuBackend.proxy is True

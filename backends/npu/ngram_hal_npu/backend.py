@@ -63,8 +63,9 @@ class NpuBackend(Backend):
     def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
         if device is None and type(self).proxy:
             device = "cpu"
-        if torch.device(device if device is not None else self.default_device).type == "npu":
-            importlib.import_module("torch_npu")  # registers the npu device type and torch.npu
+        if str(device if device is not None else self.default_device).split(":")[0] == "npu":
+            # torch knows the npu device type (and torch.npu) only once torch_npu is imported.
+            importlib.import_module("torch_npu")
         super().__init__(device=device, strict=strict)
 
     @classmethod

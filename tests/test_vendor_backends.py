@@ -1,4 +1,4 @@
-"""The vendor packages ngram-hal-cuda, -rocm and -npu: registration and honest availability."""
+"""The vendor packages ngram-hal-cuda, -rocm and -npu: registration, every op present, honest availability."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from ngram_hal import OPS, registry
 from ngram_hal_cuda import PROXY_ENV as CUDA_PROXY_ENV
 from ngram_hal_cuda import CudaBackend
+from ngram_hal_npu import PROXY_ENV as NPU_PROXY_ENV
 from ngram_hal_npu import NpuBackend
 from ngram_hal_rocm import PROXY_ENV, RocmBackend
 
@@ -31,6 +32,7 @@ HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 def no_proxy(monkeypatch):
     monkeypatch.delenv(PROXY_ENV, raising=False)
     monkeypatch.delenv(CUDA_PROXY_ENV, raising=False)
+    monkeypatch.delenv(NPU_PROXY_ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
@@ -42,14 +44,12 @@ def test_registered_by_entry_point(name, cls, dist, device, warp):
     assert ep.load() is cls and registry.backend_class(name) is cls
 
 
-@pytest.mark.parametrize("name, cls, dist, device, warp", [v for v in VENDORS if v[0] != "cuda"])
-def test_no_ops_yet_and_capabilities(name, cls, dist, device, warp):
+@pytest.mark.parametrize("name, cls, dist, device, warp", VENDORS)
+def test_every_op_and_capabilities(name, cls, dist, device, warp):
     assert cls.default_device == device
-    backend = cls(device="cpu")
-    caps = backend.capabilities()
-    assert (caps.name, caps.ops, caps.warp_size, caps.proxy) == (name, [], warp, False)
-    with pytest.raises(NotImplementedError, match=f"op 'reconstruct_tree' is not implemented by backend '{name}'"):
-        backend.reconstruct_tree(torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.int64))
+    assert cls.implemented_ops() == list(OPS)
+    caps = cls(device="cpu").capabilities()
+    assert (caps.name, caps.ops, caps.warp_size, caps.proxy, caps.graph_capture) == (name, list(OPS), warp, False, False)
 
 
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="checks the reasons given by a CPU-only build of torch")
@@ -76,9 +76,34 @@ def test_cuda_available_exactly_when_torch_sees_a_device():
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
 def test_npu_unavailable_without_torch_npu():
-    assert NpuBackend.is_available() == (False, "torch_npu is not installed")
-    with pytest.raises(RuntimeError, match="backend 'npu' is not available: torch_npu is not installed"):
+    reason = f"torch_npu is not installed; set {NPU_PROXY_ENV}=1 for a proxy run on the CPU"
+    assert NpuBackend.is_available() == (False, reason)
+    with pytest.raises(RuntimeError, match=f"backend 'npu' is not available: {reason}"):
         registry.get_backend("npu")
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+def test_npu_device_needs_torch_npu():
+    with pytest.raises(ModuleNotFoundError, match="torch_npu"):
+        NpuBackend()
+    with pytest.raises(ModuleNotFoundError, match="torch_npu"):
+        NpuBackend(device="npu:1")
+
+
+@pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
+def test_npu_proxy_on_cpu_tensors(monkeypatch):
+    monkeypatch.setenv(NPU_PROXY_ENV, "1")
+    assert NpuBackend.proxy is True
+    assert NpuBackend.is_available() == (
+        True, "proxy: torch_npu is not installed; the backend's torch ops run on CPU tensors")
+    backend = registry.get_backend("npu")
+    caps = backend.capabilities()
+    assert (caps.device, caps.proxy, caps.ops, caps.graph_capture) == ("cpu", True, list(OPS), False)
+    assert backend.runtime.is_host
+    info = next(i for i in registry.list_backends() if i.name == "npu")
+    assert (info.available, info.proxy, info.ops) == (True, True, list(OPS))
+    monkeypatch.setenv(NPU_PROXY_ENV, "0")
+    assert NpuBackend.proxy is False and not NpuBackend.is_available()[0]
 
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
@@ -94,13 +119,9 @@ def test_npu_reports_the_import_error_of_torch_npu(tmp_path, monkeypatch, error,
     (package / "__init__.py").write_text(f"raise {error.__name__}({message!r})\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     available, reason = NpuBackend.is_available()
-    assert (available, reason) == (False, f"torch_npu failed to import: {error.__name__}: {message}")
+    assert (available, reason) == (False, f"torch_npu failed to import: {error.__name__}: {message}; "
+                                          f"set {NPU_PROXY_ENV}=1 for a proxy run on the CPU")
     assert "torch_npu" not in sys.modules
-
-
-def test_cuda_implements_every_op():
-    assert CudaBackend.implemented_ops() == list(OPS)
-    assert CudaBackend(device="cpu").capabilities().ops == list(OPS)
 
 
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs a machine without a GPU")
@@ -134,12 +155,12 @@ def test_rocm_proxy_under_the_triton_interpreter(monkeypatch):
     assert RocmBackend.proxy is True
     available, reason = RocmBackend.is_available()
     assert available and reason.startswith("proxy: no ROCm device")
+    assert reason == "proxy: no ROCm device; Triton kernels interpreted on the CPU"
     backend = registry.get_backend("rocm")
     caps = backend.capabilities()
-    expected_device = "cuda" if torch.cuda.is_available() and torch.version.cuda else "cpu"
-    assert (backend.device.type, caps.proxy, caps.ops, caps.warp_size) == (expected_device, True, [], 64)
+    assert (backend.device.type, caps.proxy, caps.ops, caps.warp_size) == ("cpu", True, list(OPS), 64)
     info = next(i for i in registry.list_backends() if i.name == "rocm")
-    assert (info.available, info.proxy) == (True, True)
+    assert (info.available, info.proxy, info.ops) == (True, True, list(OPS))
     monkeypatch.setenv(PROXY_ENV, "0")
     assert RocmBackend.proxy is False and not RocmBackend.is_available()[0]
 
@@ -149,7 +170,7 @@ def test_rocm_proxy_needs_somewhere_to_run(monkeypatch):
     monkeypatch.setenv(PROXY_ENV, "1")
     available, reason = RocmBackend.is_available()
     assert not available
-    assert reason in ("proxy run requested but there is no CUDA device and TRITON_INTERPRET is not 1",
+    assert reason in ("proxy run requested but TRITON_INTERPRET is not 1 and there is no CUDA device",
                       "proxy run requested but triton is not installed")
 
 

@@ -1,8 +1,19 @@
-"""``NpuBackend``: Ascend NPUs through ``torch_npu``.
+"""``NpuBackend``: Ascend NPUs through ``torch_npu``, every op in device-generic torch.
 
-No op is implemented yet (``capabilities().ops`` is empty); discovery already reports
-honestly whether an NPU can be used here. ``torch_npu`` needs the CANN toolkit at import
-time, so it is imported lazily, inside :meth:`NpuBackend.is_available`.
+The ops (modules :mod:`.alloc`, :mod:`.kv`, :mod:`.tree`, :mod:`.verify`, :mod:`.attention`) use
+only torch operations that ``torch_npu`` runs on the device, with shapes fixed by host ints so a
+step can be captured in an NPU graph. Indices are int64 in and out, as the contract says; the
+index operand of each gather and scatter is narrowed to int32 inside the op (:mod:`.indices`),
+and a table too large for int32 indices is refused with ``ContractError``.
+
+The runtime is the generic :class:`ngram_hal.runtime.Runtime` over ``torch.npu``: streams, events, pinned
+host buffers and ``NPUGraph`` capture. ``torch_npu`` needs the CANN toolkit at import time, so it
+is imported lazily: when availability is checked or a backend is created on an ``npu`` device,
+never when ngram-hal or this package is imported.
+
+Proxy mode: with ``NGRAM_HAL_NPU_PROXY=1`` and no usable NPU, the same code runs on CPU tensors
+(device ``cpu``, the generic runtime's host behaviour). Such a run checks semantics, not Ascend
+hardware, and reports ``proxy=True``.
 """
 
 from __future__ import annotations
@@ -13,28 +24,75 @@ import importlib.util
 import torch
 
 from ngram_hal.backend import Backend
+from ngram_hal.proxy import ProxyFlag, requested
+
+from . import alloc, attention, kv, tree, verify
+
+PROXY_ENV = "NGRAM_HAL_NPU_PROXY"
+
+
+def npu_status() -> tuple[bool, str]:
+    """``(True, "")`` when ``torch_npu`` imports (CANN present) and sees an NPU, else why not.
+    Imports ``torch_npu`` when it is installed."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed"
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # without CANN the import raises ImportError, OSError or RuntimeError
+        return False, f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        return False, "torch_npu imported but registered no torch.npu module"
+    if not npu.is_available():
+        return False, "torch.npu.is_available() is False: no Ascend NPU visible"
+    return True, ""
+
+
+def _native() -> bool:
+    return npu_status()[0]
 
 
 class NpuBackend(Backend):
-    """The Ascend backend: device ``npu``."""
+    """The Ascend backend: device ``npu``; ``cpu`` in a proxy run."""
 
     name = "npu"
     default_device = "npu"
-    proxy = False
+    proxy = ProxyFlag(PROXY_ENV, _native)
     warp_size = None
+
+    def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
+        if device is None and type(self).proxy:
+            device = "cpu"
+        if str(device if device is not None else self.default_device).split(":")[0] == "npu":
+            # torch knows the npu device type (and torch.npu) only once torch_npu is imported.
+            importlib.import_module("torch_npu")
+        super().__init__(device=device, strict=strict)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Needs ``torch_npu`` installed and importable (CANN present) and a visible NPU."""
-        if importlib.util.find_spec("torch_npu") is None:
-            return False, "torch_npu is not installed"
-        try:
-            importlib.import_module("torch_npu")
-        except Exception as exc:  # without CANN the import raises ImportError, OSError or RuntimeError
-            return False, f"torch_npu failed to import: {type(exc).__name__}: {exc}"
-        npu = getattr(torch, "npu", None)
-        if npu is None:
-            return False, "torch_npu imported but registered no torch.npu module"
-        if not npu.is_available():
-            return False, "torch.npu.is_available() is False: no Ascend NPU visible"
-        return True, ""
+        """Native: ``torch_npu`` importable and an NPU visible. Proxy (opt-in,
+        ``NGRAM_HAL_NPU_PROXY=1``): always, on the CPU; the reason then says it is a proxy and why
+        there is no NPU."""
+        available, reason = npu_status()
+        if available:
+            return True, ""
+        if requested(PROXY_ENV):
+            return True, f"proxy: {reason}; the backend's torch ops run on CPU tensors"
+        return False, f"{reason}; set {PROXY_ENV}=1 for a proxy run on the CPU"
+
+    # The ops' arguments were validated by Backend; each body is the function of the same name.
+    _alloc_extend = staticmethod(alloc.alloc_extend)
+    _assign_req_to_token = staticmethod(alloc.assign_req_to_token)
+    _gather_cache_locs = staticmethod(alloc.gather_cache_locs)
+    _store_kv = staticmethod(kv.store_kv)
+    _move_kv = staticmethod(kv.move_kv)
+    _accepted_kv_moves = staticmethod(kv.accepted_kv_moves)
+    _reconstruct_tree = staticmethod(tree.reconstruct_tree)
+    _verify_tree_greedy = staticmethod(verify.verify_tree_greedy)
+    _verify_tree_sample = staticmethod(verify.verify_tree_sample)
+
+    def _attention_layout(self, layout):
+        return attention.layout(layout)
+
+    def _attention(self, q, kv_cache, layer, layout, sm_scale):
+        return attention.attention(q, kv_cache, layer, layout.plan, sm_scale)

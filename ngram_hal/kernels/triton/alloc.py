@@ -159,7 +159,7 @@ def alloc_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: to
         block_b, block_t = _blocks(B, num_new_tokens, cfg)
         _alloc_extend_kernel[(B,)](prefix_lens, seq_lens, last_loc, free_pages, out, B, free_pages.shape[0],
                                    num_new_tokens, page_size, BLOCK_B=block_b, BLOCK_T=block_t,
-                                   num_warps=cfg.num_warps)
+                                   num_warps=cfg.num_warps, **cfg.options())
     return out
 
 
@@ -178,7 +178,7 @@ def assign_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     R, M = req_to_token.shape
     block_b, block_t = _blocks(B, N, cfg)
     _assign_req_to_token_kernel[(B,)](req_to_token, req_pool_indices, start, end, locs, R, M, N,
-                                      BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps)
+                                      BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
 
 
 def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, start: torch.Tensor,
@@ -197,5 +197,5 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
         R, M = req_to_token.shape
         block_b, block_t = _blocks(B, num_tokens, cfg)
         _gather_cache_locs_kernel[(B,)](req_to_token, req_pool_indices, start, end, out, B, R, M, num_tokens,
-                                        BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps)
+                                        BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
     return out

@@ -256,8 +256,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
         UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_num_stages)
+        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_num_stages, **cfg.options())
     if splits > 1:
         _merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
-                                 BLOCK_D=block_d, num_warps=cfg.num_warps)
+                                 BLOCK_D=block_d, num_warps=cfg.num_warps, **cfg.options())
     return out

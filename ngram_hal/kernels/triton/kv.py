@@ -74,7 +74,7 @@ def store_kv(kv: KVCache, layer: int, locs: torch.Tensor, k: torch.Tensor, v: to
     rows = min(max(1, tile // block_c), triton.next_power_of_2(N))
     grid = (triton.cdiv(N, rows), triton.cdiv(row_len, block_c))
     _store_kv_kernel[grid](kv.k[layer], kv.v[layer], locs, k, v, N, kv.num_slots, row_len,
-                           ROWS=rows, BLOCK_C=block_c, num_warps=_warps(rows * block_c * elt, cfg))
+                           ROWS=rows, BLOCK_C=block_c, num_warps=_warps(rows * block_c * elt, cfg), **cfg.options())
 
 
 # ---------------------------------------------------------------- move_kv
@@ -152,7 +152,7 @@ def move_kv(kv: KVCache, src: torch.Tensor, dst: torch.Tensor, cfg: LaunchConfig
     _move_kv_kernel[(programs,)](kv.k, kv.v, src, dst, scratch, N, kv.num_slots, row_len,
                                  (kv.num_slots + 1) * row_len, num_col_blocks, BLOCK_C=block_c,
                                  PAIR_TILE=pair_tile, USE_SCRATCH=use_scratch,
-                                 num_warps=_warps(pair_tile * block_c * elt, cfg))
+                                 num_warps=_warps(pair_tile * block_c * elt, cfg), **cfg.options())
 
 
 # ---------------------------------------------------------------- accepted_kv_moves
@@ -204,5 +204,5 @@ def accepted_kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor, r
     rows = min(max(1, cfg.index_block // block_d), triton.next_power_of_2(B))
     _accepted_kv_moves_kernel[(triton.cdiv(B, rows),)](out_cache_loc, accept_index, req_to_token, req_pool_indices,
                                                        seq_lens, src, dst, B, D, R, M, ROWS=rows, BLOCK_D=block_d,
-                                                       num_warps=cfg.num_warps)
+                                                       num_warps=cfg.num_warps, **cfg.options())
     return src, dst

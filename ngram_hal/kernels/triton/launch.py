@@ -37,6 +37,10 @@ class LaunchConfig:
         kv_tile_bytes: bytes of K (and as many of V) one ``store_kv`` program copies.
         tile_bytes_per_thread: bytes of a data tile each thread holds in the KV kernels; sets
             their warps.
+        kernel_options: extra keyword options of every kernel launch that only one Triton target
+            knows, as ``(name, value)`` pairs (AMD: ``waves_per_eu``, ``matrix_instr_nonkdim``).
+            Triton refuses another target's options, so a backend sets them only where that
+            target compiles the kernels; launches pass ``**dict(cfg.kernel_options)``.
     """
 
     warp_size: int = 32
@@ -53,6 +57,7 @@ class LaunchConfig:
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
+    kernel_options: tuple[tuple[str, int], ...] = ()
 
     def attn_block_n(self, head_dim: int, elt_bytes: int) -> int:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K, 16 to 128 keys."""
@@ -70,10 +75,18 @@ class LaunchConfig:
             value = getattr(self, f.name)
             if value is None and f.name in ("attn_programs", "attn_warps"):
                 continue
+            if f.name == "kernel_options":
+                if not all(isinstance(k, str) and isinstance(v, int) for k, v in value):
+                    raise ValueError(f"LaunchConfig.kernel_options: expected (name, int) pairs, got {value!r}")
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LaunchConfig.{f.name}: expected a positive int, got {value!r}")
             if f.name in powers_of_two and value & (value - 1):
                 raise ValueError(f"LaunchConfig.{f.name}: expected a power of two, got {value}")
+
+    def options(self) -> dict[str, int]:
+        """The target-only launch options, as keywords for a kernel launch."""
+        return dict(self.kernel_options)
 
     def warps(self, threads: int) -> int:
         """Warps for a program of about ``threads`` threads: a power of two in [1, max_num_warps]."""

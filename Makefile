@@ -28,7 +28,7 @@ TORCH_INDEX ?=
 ROCM_PROXY_ARGS ?= --strict-mode off --max-examples 10
 PUBLISHED := docs/conformance
 
-.PHONY: run conformance matrix test test-unit test-conformance test-proxy-rocm test-proxy-npu docs-matrix venv clean
+.PHONY: run conformance matrix test test-unit test-conformance test-proxy-cuda test-proxy-rocm test-proxy-npu docs-matrix venv clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,7 @@ test: $(STAMP)
 	status=0; \
 	$(MAKE) --no-print-directory test-unit || status=1; \
 	$(MAKE) --no-print-directory test-conformance || status=1; \
+	$(MAKE) --no-print-directory test-proxy-cuda || status=1; \
 	$(MAKE) --no-print-directory test-proxy-rocm || status=1; \
 	$(MAKE) --no-print-directory test-proxy-npu || status=1; \
 	exit $$status
@@ -70,6 +71,10 @@ test-conformance: $(STAMP)
 		--junit $(REPORTS)/conformance-cpu.xml
 
 # Proxy runs: the vendor backends' code on this machine's CPU, reported as proxy: true.
+test-proxy-cuda: $(STAMP)
+	NGRAM_HAL_CUDA_PROXY=1 TRITON_INTERPRET=1 $(NGRAM_HAL) conformance --backend cuda \
+		--json $(REPORTS)/conformance-cuda-proxy.json --junit $(REPORTS)/conformance-cuda-proxy.xml
+
 test-proxy-rocm: $(STAMP)
 	NGRAM_HAL_ROCM_PROXY=1 TRITON_INTERPRET=1 $(NGRAM_HAL) conformance --backend rocm $(ROCM_PROXY_ARGS) \
 		--json $(REPORTS)/conformance-rocm-proxy.json --junit $(REPORTS)/conformance-rocm-proxy.xml

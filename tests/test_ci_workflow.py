@@ -16,7 +16,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 CONFIG = ROOT / ".github" / "actionlint.yaml"
-HOSTED = {"cpu": "test-conformance", "proxy-rocm": "test-proxy-rocm", "proxy-npu": "test-proxy-npu"}
+HOSTED = {"cpu": "test-conformance", "proxy-cuda": "test-proxy-cuda", "proxy-rocm": "test-proxy-rocm",
+          "proxy-npu": "test-proxy-npu"}
 SELF_HOSTED = {"cuda": "gpu-nvidia", "rocm": "gpu-amd", "npu": "ascend-npu"}
 
 

@@ -41,6 +41,13 @@ class LaunchConfig:
             knows, as ``(name, value)`` pairs (AMD: ``waves_per_eu``, ``matrix_instr_nonkdim``).
             Triton refuses another target's options, so a backend sets them only where that
             target compiles the kernels; launches pass ``**dict(cfg.kernel_options)``.
+        tile: most elements in the per-program tile of the request-blocked kernels (tree and
+            verify): a program takes as many requests as fit, at least one.
+        interpreted_tile: the same bound under Triton's interpreter, where each program costs
+            a fixed Python overhead per operation whatever its size, so fewer, larger programs
+            run faster.
+        vocab_block: probabilities of one request read per block of a pass over the vocabulary
+            (a row's sum, the bonus token's scan).
     """
 
     warp_size: int = 32
@@ -58,6 +65,9 @@ class LaunchConfig:
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
     kernel_options: tuple[tuple[str, int], ...] = ()
+    tile: int = 256
+    interpreted_tile: int = 1 << 18
+    vocab_block: int = 4096
 
     def attn_block_n(self, head_dim: int, elt_bytes: int) -> int:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K, 16 to 128 keys."""
@@ -96,6 +106,17 @@ class LaunchConfig:
             n *= 2
         return n
 
+    def rows_per_program(self, rows: int, elements_per_row: int) -> int:
+        """Rows (requests) one program takes when each brings ``elements_per_row`` tile elements:
+        a power of two, at least 1, at most the next power of two of ``rows``, within
+        :attr:`tile` (:attr:`interpreted_tile` under the interpreter)."""
+        budget = self.interpreted_tile if interpreting() else self.tile
+        fit = max(1, budget // max(1, elements_per_row))
+        n = 1
+        while n * 2 <= fit and n < rows:
+            n *= 2
+        return n
+
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
@@ -122,3 +143,19 @@ def interpreting() -> bool:
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported here."""
     return importlib.util.find_spec("triton") is not None
+
+
+def pow2_block(n: int) -> int:
+    """The smallest power of two >= ``n``, at least 2: the size of a Triton tile axis holding ``n`` entries."""
+    size = 2
+    while size < n:
+        size *= 2
+    return size
+
+
+def require_contiguous(op: str, **tensors) -> None:
+    """``ValueError`` naming ``op`` and the argument unless every tensor is contiguous (the
+    kernels index them as flat row-major arrays)."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: argument '{name}' must be contiguous, got strides {t.stride()}")

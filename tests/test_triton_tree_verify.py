@@ -1,5 +1,5 @@
 """The Triton kernels of ``reconstruct_tree``, ``verify_tree_greedy`` and ``verify_tree_sample``,
-run in Triton's interpreter.
+run in Triton's interpreter on the CPU or compiled on a CUDA device.
 
 Each op is checked against the reference backend and the conformance suite's oracles on random
 trees (BFS and other parent-first orders), under launch configurations that put many requests,
@@ -23,6 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 from ngram_hal.kernels.triton import LaunchConfig  # noqa: E402
 from ngram_hal.kernels.triton import tree, verify  # noqa: E402
@@ -80,7 +82,7 @@ def test_rows_per_program_fills_the_tile_in_powers_of_two():
 def test_reconstruct_tree_matches_oracle_and_reference(parents, cfg, data):
     B, D = len(parents), len(parents[0])
     seq_lens = data.draw(st.lists(st.integers(0, 2**40), min_size=B, max_size=B), label="seq_lens")
-    mask, seq = conf.mask_of(parents, "cpu"), cases.index(seq_lens, "cpu")
+    mask, seq = conf.mask_of(parents, DEVICE), cases.index(seq_lens, DEVICE)
     got = tree.reconstruct_tree(mask, seq, CONFIGS[cfg])
     assert_same(got, ref_tree.reconstruct_tree(mask, seq), "reconstruct_tree vs reference")
     want = [conf.oracle_tree(p, s) for p, s in zip(parents, seq_lens)]
@@ -110,13 +112,13 @@ def test_reconstruct_tree_of_any_mask_matches_reference(B, D, density, seed, cfg
 def test_verify_tree_greedy_matches_oracle_and_reference(case, cfg):
     parents, tokens, target = case
     B, D = len(parents), len(parents[0])
-    candidates, predict = cases.index(tokens, "cpu").view(B, D), cases.index(target, "cpu").view(B, D)
-    links = conf.links_of(parents, "cpu")
+    candidates, predict = cases.index(tokens, DEVICE).view(B, D), cases.index(target, DEVICE).view(B, D)
+    links = conf.links_of(parents, DEVICE)
     got = verify.verify_tree_greedy(candidates, *links, predict, CONFIGS[cfg])
     assert_same(got, ref_verify.verify_tree_greedy(candidates, *links, predict), "greedy vs reference")
     walks = [conf.oracle_greedy(p, t, g) for p, t, g in zip(parents, split(tokens, B, D), split(target, B, D))]
     conf.assert_verify_outputs(got, conf.expected_outputs([w[0] for w in walks], [w[1] for w in walks], D),
-                               "cpu", "greedy")
+                               DEVICE, "greedy")
 
 
 # ---------------------------------------------------------------- verify_tree_sample
@@ -124,13 +126,13 @@ def test_verify_tree_greedy_matches_oracle_and_reference(case, cfg):
 def check_sample(parents, tokens, probs: torch.Tensor, coins: torch.Tensor, final: torch.Tensor, cfg: str) -> None:
     """The kernel against the reference and the oracle, which reads the inputs as float32."""
     B, D = len(parents), len(parents[0])
-    candidates, links = cases.index(tokens, "cpu").view(B, D), conf.links_of(parents, "cpu")
+    candidates, links = cases.index(tokens, DEVICE).view(B, D), conf.links_of(parents, DEVICE)
     got = verify.verify_tree_sample(candidates, *links, probs, coins, final, CONFIGS[cfg])
     assert_same(got, ref_verify.verify_tree_sample(candidates, *links, probs, coins, final), "sample vs reference")
     q, u, f = probs.float().tolist(), coins.float().tolist(), final.float().tolist()
     walks = [conf.oracle_sample(p, t, q[b], u[b], f[b]) for b, (p, t) in enumerate(zip(parents, split(tokens, B, D)))]
     conf.assert_verify_outputs(got, conf.expected_outputs([w[0] for w in walks], [w[1] for w in walks], D),
-                               "cpu", "sample")
+                               DEVICE, "sample")
 
 
 @SETTINGS
@@ -142,8 +144,8 @@ def test_verify_tree_sample_matches_oracle_on_dyadic_inputs(parents, vocab, seed
     B, D = len(parents), len(parents[0])
     tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=B * D, max_size=B * D), label="tokens")
     probs, coins, final = conf.dyadic_inputs(np.random.default_rng(seed), B, D, vocab)
-    check_sample(parents, tokens, conf.floats(probs, "cpu").to(dtype), conf.floats(coins, "cpu").to(dtype),
-                 conf.floats(final, "cpu").to(dtype), cfg)
+    check_sample(parents, tokens, conf.floats(probs, DEVICE).to(dtype), conf.floats(coins, DEVICE).to(dtype),
+                 conf.floats(final, DEVICE).to(dtype), cfg)
 
 
 @settings(max_examples=6, deadline=None)
@@ -168,7 +170,7 @@ def test_verify_tree_sample_scans_many_vocabulary_blocks(parents, vocab, seed, c
             tokens[b * D + j] = int(rng.integers(vocab) if rng.random() < 0.25 else rng.choice(vocab, p=row))
     coins = rng.integers(0, 2**10, size=(B, D)) / 2**10
     final = rng.integers(0, 2**10, size=B) / 2**10
-    check_sample(parents, tokens, conf.floats(probs, "cpu"), conf.floats(coins, "cpu"), conf.floats(final, "cpu"), cfg)
+    check_sample(parents, tokens, conf.floats(probs, DEVICE), conf.floats(coins, DEVICE), conf.floats(final, DEVICE), cfg)
 
 
 # ---------------------------------------------------------------- edge sizes
@@ -202,7 +204,7 @@ def test_wrappers_refuse_non_contiguous_arguments():
     mask = torch.ones(2, 3, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="reconstruct_tree: argument 'seq_lens' must be contiguous"):
         tree.reconstruct_tree(mask, torch.zeros(2, 2, dtype=torch.int64)[:, 0], LaunchConfig())
-    links = conf.links_of([[-1, 0, 0]] * 2, "cpu")
+    links = conf.links_of([[-1, 0, 0]] * 2, DEVICE)
     probs = torch.full((2, 3, 8), 1 / 8).transpose(0, 1).contiguous().transpose(0, 1)
     with pytest.raises(ValueError, match="verify_tree_sample: argument 'target_probs' must be contiguous"):
         verify.verify_tree_sample(torch.zeros(2, 3, dtype=torch.int64), *links, probs, torch.rand(2, 3),
@@ -225,7 +227,7 @@ def broken_inputs(draw):
     probs[rng.random((B, D, V)) < 0.1] = -1.0
     probs[rng.random((B, D, V)) < 0.05] = np.inf
     index = torch.arange(B * D, dtype=torch.int64).view(B, D)
-    links = [cases.index(rng.integers(-3, D + 3, size=(B, D)).tolist(), "cpu") for _ in range(2)]
+    links = [cases.index(rng.integers(-3, D + 3, size=(B, D)).tolist(), DEVICE) for _ in range(2)]
     return {
         "candidates": torch.from_numpy(tokens), "retrieve_index": index,
         "retrieve_next_token": links[0], "retrieve_next_sibling": links[1],
@@ -268,7 +270,7 @@ def test_verify_on_broken_inputs_is_well_formed_and_independent_of_blocking(args
         for op, got, want in zip(("greedy", "sample"), outputs[name], outputs[CONFIG_NAMES[0]]):
             assert_same(got, want, f"{op} under {name} vs {CONFIG_NAMES[0]}")
     for op, (predicts, accept_index, accept_len) in zip(("greedy", "sample"), outputs[CONFIG_NAMES[0]]):
-        assert_index_output(predicts, "cpu", (B * D,), f"{op} predicts")
+        assert_index_output(predicts, DEVICE, (B * D,), f"{op} predicts")
         assert bool(((accept_len >= 1) & (accept_len <= D)).all()), f"{op}: accept_len {accept_len.tolist()}"
         filled = torch.arange(D) < accept_len.unsqueeze(1)
         assert bool((accept_index[~filled] == -1).all()), f"{op}: accept_index not -1 padded"
@@ -295,11 +297,11 @@ def test_verify_reads_nothing_outside_its_inputs(args, cfg):
 def test_verify_skips_flat_ids_out_of_range(cfg):
     """``retrieve_index`` entries outside [0, B*D) are reported in ``accept_index`` but not written."""
     parents = [[-1, 0, 1], [-1, 0, 0]]
-    links = conf.links_of(parents, "cpu")
-    index = cases.index([[0, 7, -4], [3, 4, 2**40]], "cpu")
-    candidates = cases.index([[5, 6, 7], [1, 2, 3]], "cpu")
+    links = conf.links_of(parents, DEVICE)
+    index = cases.index([[0, 7, -4], [3, 4, 2**40]], DEVICE)
+    candidates = cases.index([[5, 6, 7], [1, 2, 3]], DEVICE)
     predicts, accept_index, accept_len = verify.verify_tree_greedy(
-        candidates, index, *links[1:], cases.index([[6, 7, 8], [9, 9, 9]], "cpu"), CONFIGS[cfg])
+        candidates, index, *links[1:], cases.index([[6, 7, 8], [9, 9, 9]], DEVICE), CONFIGS[cfg])
     assert accept_len.tolist() == [3, 1]
     assert accept_index.tolist() == [[0, 7, -4], [3, -1, -1]]
     assert predicts.tolist() == [6, 0, 0, 9, 0, 0]
@@ -354,7 +356,7 @@ def test_kernels_compile_for_gpu_targets(target, backend):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_benchmark_cases_are_valid_calls_with_accepted_drafts(dtype):
     backend = CpuBackend(strict=True)
-    for case in tree_verify_cases("cpu", dtype, vocab=512):
+    for case in tree_verify_cases(DEVICE, dtype, vocab=512):
         want = case.run(backend)
         kernel = tree.reconstruct_tree if case.op == "reconstruct_tree" else getattr(verify, case.op)
         got = kernel(*case.args.values(), LaunchConfig())

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import make_console, make_table, report_header, write_report  # noqa: E402
+from common import make_console, make_table, median_ms, report_header, write_report  # noqa: E402
 
 from ngram_hal.memory.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
@@ -88,19 +86,6 @@ def build(kv_lens, q_lens, D, args, dtype, device, rng: random.Random):
                 kv_lens=torch.tensor(kv_lens, dtype=I64, device=device),
                 q_lens=torch.tensor(q_lens, dtype=I64, device=device), sm_scale=args.head_dim ** -0.5,
                 tree_mask=chain_masks(len(kv_lens), D, device) if D else None)
-
-
-def median_ms(fn, sync, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv=None):

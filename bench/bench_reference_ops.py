@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import make_console, make_table, report_header, write_report  # noqa: E402
+from common import make_console, make_table, median_ms, report_header, write_report  # noqa: E402
 
 from ngram_hal.memory import KVCache, ReqToTokenPool, SlotAllocator  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
@@ -106,20 +104,9 @@ class Timer:
         self.sync, self.repeats, self.warmup = sync, repeats, warmup
         self.results: list[dict] = []
 
-    def median_ms(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        self.sync()
-        times = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
-
     def compare(self, op: str, dtype: str, page_size: int, work: str, vectorized, loop) -> None:
-        vec_ms, loop_ms = self.median_ms(vectorized), self.median_ms(loop)
+        vec_ms = median_ms(vectorized, self.sync, self.repeats, self.warmup)
+        loop_ms = median_ms(loop, self.sync, self.repeats, self.warmup)
         self.results.append({"op": op, "dtype": dtype, "page_size": page_size, "work": work,
                              "vectorized_ms": round(vec_ms, 4), "loop_ms": round(loop_ms, 4),
                              "speedup": round(loop_ms / vec_ms, 2)})

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the report header, the console and table, writing the JSON report."""
+"""What the benchmark scripts share: the report header, the console and table, writing the JSON report,
+and the timers (host-timed calls, graph-replayed device time, copy bandwidth)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import datetime
 import json
 import platform
 import resource
+import statistics
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -75,3 +78,67 @@ def write_report(path: str | Path, report: dict, console: Console) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------ timers
+
+
+def median_ms(fn: Callable[[], object], sync: Callable[[], None], repeats: int, warmup: int) -> float:
+    """Median wall time of one call of ``fn`` followed by ``sync()``, in ms, after ``warmup`` calls.
+
+    On an accelerator this is the eager cost: the host's launch work plus the device's run.
+    """
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, replays: int,
+             warmup: int = 3) -> float | None:
+    """Device time of one call of ``fn`` replayed from a CUDA graph, in ms; None off CUDA.
+
+    ``fn`` runs ``warmup`` times on a side stream (compiling kernels, filling allocator caches),
+    then ``calls`` calls are captured in one graph, which is replayed once untimed and then
+    ``replays`` times between CUDA events; the result is the elapsed time over ``replays * calls``.
+    """
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    elapsed = start.elapsed_time(end) / (replays * calls)
+    del graph
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the graph's private memory pool, which no later graph reuses
+    return elapsed
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second of a large device-to-device ``copy_`` (bytes read plus bytes written), the
+    median of ``repeats`` copies of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.get_device_module(device.type).synchronize if device.type != "cpu" else (lambda: None)
+    seconds = median_ms(lambda: dst.copy_(src), sync, repeats, warmup=2) / 1e3
+    return 2 * nbytes / seconds

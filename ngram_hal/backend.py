@@ -71,6 +71,9 @@ class Backend:
     warp_size: ClassVar[int | None] = None
     page_sizes: ClassVar[list[int] | None] = None
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    # The engine-side kernels that suit this backend's device: "torch" (plain torch ops, any device)
+    # or "triton" (the fused kernels of ngram_hal.kernels.gpu). Not a HAL op; the model reads it.
+    model_kernels: ClassVar[str] = "torch"
 
     def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
         self.device = torch.device(device if device is not None else self.default_device)
@@ -461,8 +464,8 @@ class Backend:
 
     def attention_layout(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          kv_lens: torch.Tensor, q_lens: torch.Tensor, num_queries: int,
-                         tree_mask: torch.Tensor | None = None,
-                         max_kv_len: int | None = None) -> "AttentionLayout":
+                         tree_mask: torch.Tensor | None = None, max_kv_len: int | None = None,
+                         batch_invariant: bool = False) -> "AttentionLayout":
         """The work split of one batch's attention, built once and reused by every layer.
 
         Which queries of which request each program handles and which KV rows it reads depend
@@ -477,6 +480,10 @@ class Backend:
             tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), parents before
                 children, or None.
             max_kv_len: host int >= max(kv_lens); None reads it from the device (a host sync).
+            batch_invariant: split the work so that a query's result does not depend on the rest
+                of the batch (same tiling and key chunks whatever B, N or the lengths; together with
+                a fixed ``max_kv_len``). A backend that cannot do better may ignore it only if its
+                results are invariant anyway.
         Returns:
             An :class:`AttentionLayout`.
         """
@@ -516,7 +523,7 @@ class Backend:
             max_kv_len = int(kv_lens.max()) if B else 0
         layout = AttentionLayout(backend=self, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                                  kv_lens=kv_lens, q_lens=q_lens, tree_mask=tree_mask,
-                                 num_queries=num_queries, max_kv_len=max_kv_len)
+                                 num_queries=num_queries, max_kv_len=max_kv_len, batch_invariant=bool(batch_invariant))
         if self.strict:
             layout.max_slot = max_slot
         layout.plan = self._attention_layout(layout)
@@ -586,7 +593,7 @@ class AttentionLayout:
 
     def __init__(self, backend: Backend, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                  kv_lens: torch.Tensor, q_lens: torch.Tensor, tree_mask: torch.Tensor | None,
-                 num_queries: int, max_kv_len: int):
+                 num_queries: int, max_kv_len: int, batch_invariant: bool = False):
         self.backend = backend
         self.req_to_token = req_to_token
         self.req_pool_indices = req_pool_indices
@@ -595,6 +602,7 @@ class AttentionLayout:
         self.tree_mask = tree_mask
         self.num_queries = num_queries
         self.max_kv_len = max_kv_len
+        self.batch_invariant = batch_invariant
         self.max_slot: int | None = None
         self.plan = None
 

@@ -120,6 +120,14 @@ class Runtime:
         """
         return self._require_graphs()()
 
+    def new_graph_pool(self):
+        """A memory pool several graphs can share (their captures run one after another); pass it
+        to :meth:`capture` as ``pool``. Raises ``NotImplementedError`` where the device has none."""
+        self._require_graphs()
+        if not hasattr(self._module, "graph_pool_handle"):
+            raise NotImplementedError(f"shared graph pools are not available on {self.device}")
+        return self._module.graph_pool_handle()
+
     def capture(self, graph, pool=None, stream=None):
         """Context manager capturing the work enqueued inside it into ``graph``; ``graph.replay()``
         runs it again. ``pool`` shares a memory pool between graphs; ``stream`` is the side stream

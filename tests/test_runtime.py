@@ -1,5 +1,5 @@
 """The generic runtime on the host: inert streams and events, host buffers, and no graph capture
-(``new_graph`` and ``capture`` refuse by name). Graph capture on a device is exercised by the
+(``new_graph``, ``new_graph_pool`` and ``capture`` refuse by name). Graph capture on a device is exercised by the
 conformance suite's registration tier on that device."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def test_host_runtime_has_no_graph_capture(device):
         rt.new_graph()
     with pytest.raises(NotImplementedError, match=f"graph capture is not available on {device}"):
         rt.capture(None)
+    with pytest.raises(NotImplementedError, match=f"graph capture is not available on {device}"):
+        rt.new_graph_pool()
     assert CpuBackend(device=device).capabilities().graph_capture is False
 
 

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
 from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .graphs import StepGraphs
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
 from .policy import SpecPolicy
@@ -61,6 +62,8 @@ class EngineConfig(BaseModel):
     when the drafter found nothing for any request.
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room).
+    ``graphs`` replays decode and verify forwards from captured graphs where the backend's runtime
+    can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or with a strict backend).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -70,6 +73,7 @@ class EngineConfig(BaseModel):
     spec_policy: Literal["always", "auto"] = "always"
     probe_every: int = Field(16, ge=1)
     overlap: bool = True
+    graphs: bool = True
     num_slots: int = Field(16384, ge=1)
     max_running: int = Field(32, ge=1)
     max_context_len: int = Field(2048, ge=8)
@@ -86,6 +90,9 @@ class EngineStats:
     after the next step was enqueued (hidden behind the device on accelerators).
     ``critical_s``: host work on results done before the next step could be enqueued.
     ``tree_nodes``: draft-tree nodes run per request, summed over decode steps.
+    ``device_busy_s`` / ``device_idle_s``: device seconds from each step's first queued op to its
+    results copy, and from one step's end to the next one's start, read from timing events (left
+    at 0 where the runtime has none, e.g. on the CPU).
     """
 
     prefill_steps: int = 0
@@ -97,6 +104,14 @@ class EngineStats:
     wait_s: float = 0.0
     process_s: float = 0.0
     critical_s: float = 0.0
+    device_busy_s: float = 0.0
+    device_idle_s: float = 0.0
+
+    @property
+    def device_idle_fraction(self) -> float:
+        """Idle device time between steps over busy plus idle (0 when not measured)."""
+        total = self.device_busy_s + self.device_idle_s
+        return self.device_idle_s / total if total else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -141,9 +156,13 @@ class Engine:
             eos = model.config.eos_token_id
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.graphs = None
+        if self.config.graphs and self.backend.runtime.graph_capture and not self.backend.strict:
+            self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, self.config.max_running)
         self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
         self.relay = OverlapRelay.empty(self.num_nodes, self.device)
         self._last_done: tuple[str, float] | None = None
+        self._last_end = None
         self.inflight: InflightStep | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -287,8 +306,16 @@ class Engine:
             return self._launch_decode(list(self.sched.running))
         return None
 
+    def _begin(self):
+        """A timing event recorded before a step's first device op."""
+        runtime = self.backend.runtime
+        event = runtime.new_event(enable_timing=True)
+        event.record(runtime.current_stream())
+        return event
+
     def _launch_prefill(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
+        begin = self._begin()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
         lens = [len(r.prompt_ids) for r in reqs]
         B, N = len(reqs), sum(lens)
@@ -323,10 +350,11 @@ class Engine:
             r.seq_len = n
             r.inflight += 1
         self.stats.prefill_steps += 1
-        return self._ship("prefill", reqs, relay, logprobs, start)
+        return self._ship("prefill", reqs, relay, logprobs, start, begin)
 
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
+        begin = self._begin()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
         n = size = self.policy.choose()
         B = len(reqs)
@@ -339,6 +367,9 @@ class Engine:
             # Nodes past every tree's drafted count are padding: run the step on the first n of
             # them (BFS order keeps each parent before its children), 1 when nothing was drafted.
             n = int(draft.drafted.max())
+            if self.graphs is not None and n > 1:
+                # Captured shapes: round up to a power of two (more padding nodes, fewer graphs).
+                n = min(size, 1 << (n - 1).bit_length())
         if n > 1:
             drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
             tokens = torch.cat([roots.unsqueeze(1), drafts], dim=1).view(-1)
@@ -354,7 +385,10 @@ class Engine:
             req_pool_indices=rows, kv_lens=seq_lens + n,
             q_lens=torch.full((B,), n, dtype=torch.int64, device=self.device),
             tree_mask=tree_mask if n > 1 else None, max_kv_len=max(bounds) + n, logits_index=None)
-        logits = self.model.forward(batch, self.kv)
+        if self.graphs is not None:
+            logits = self.graphs.forward(batch, n)
+        else:
+            logits = self.model.forward(batch, self.kv)
         sampling = SamplingBatch([r.params for r in reqs], n, up)
         if sampling.all_greedy:
             out = verify_greedy(be, tree, logits)
@@ -373,7 +407,7 @@ class Engine:
             r.inflight += 1
         self.stats.decode_steps += 1
         self.stats.tree_nodes += n
-        step = self._ship("decode", reqs, result, logprobs, start)
+        step = self._ship("decode", reqs, result, logprobs, start, begin)
         step.tree_size = size
         return step
 
@@ -385,11 +419,12 @@ class Engine:
         return OverlapRelay(tokens.view(-1), relay.accept_lens, relay.new_seq_lens, self.num_nodes)
 
     def _ship(self, kind: str, reqs: list[Request], relay: OverlapRelay, logprobs: torch.Tensor | None,
-              start: float) -> InflightStep:
+              start: float, begin) -> InflightStep:
         down = self.transfer.download
         runtime = self.backend.runtime
         step = InflightStep(kind, reqs, relay.num_nodes, down(relay.accept_tokens), down(relay.accept_lens),
-                            None if logprobs is None else down(logprobs), runtime.new_event())
+                            None if logprobs is None else down(logprobs), runtime.new_event(enable_timing=True),
+                            begin=begin)
         step.event.record(runtime.current_stream())
         step.launch_s = time.perf_counter() - start
         self.stats.launch_s += step.launch_s
@@ -422,12 +457,22 @@ class Engine:
         self._release(ended)
         step.absorbed = True
         self._observe(step, rows, committed)
+        self._time_device(step)
         self.stats.wait_s += step.wait_s
         elapsed = time.perf_counter() - start
         if critical:
             self.stats.critical_s += elapsed
         else:
             self.stats.process_s += elapsed
+
+    def _time_device(self, step: InflightStep) -> None:
+        """Add the step's device time, and the device's idle time since the previous step ended."""
+        if self.backend.runtime.is_host:
+            return
+        self.stats.device_busy_s += step.begin.elapsed_time(step.event) / 1e3
+        if self._last_end is not None:
+            self.stats.device_idle_s += max(0.0, self._last_end.elapsed_time(step.begin) / 1e3)
+        self._last_end = step.event
 
     def _observe(self, step: InflightStep, rows: int, committed: int) -> None:
         """Feed a finished step to the statistics and the speculation policy."""

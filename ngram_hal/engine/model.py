@@ -1,10 +1,12 @@
 """A Llama-family decoder in plain torch that keeps its K/V in the HAL's paged cache.
 
-Per layer: RMSNorm, fused QKV projection, rotary embeddings at each token's position,
-``backend.store_kv`` of the new K/V rows, ``backend.attention`` over the cache, output projection,
-RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``; the only model-side ops that touch
-the cache go through the backend. The projections are :mod:`ngram_hal.engine.linear` layers
-(panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere).
+Per layer: RMSNorm (with the residual add), fused QKV projection, rotary embeddings at each
+token's position and the K/V store, ``backend.attention`` over the cache, output projection,
+RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``. The norm, rotary/store and SwiGLU
+steps are :mod:`ngram_hal.engine.ops` (plain torch with the backend's ``store_kv``, or fused Triton
+kernels where the backend runs Triton); the projections are :mod:`ngram_hal.engine.linear` layers
+(panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere,
+or a batch-invariant Triton product).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import contract as c
 from ..backend import Backend
 from ..memory.kv_cache import KVCache
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
-from .linear import Linear, make_linear
+from .linear import Linear, default_dtype, make_linear as linear_for
+from .ops import make_ops
 
 
 @dataclass
@@ -62,27 +64,6 @@ class _Layer:
     mlp_norm: torch.Tensor
     w_gate_up: Linear
     w_down: Linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, returned in x's dtype."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position, float32 math: two ``[N, 1, head_dim]`` tensors of ``dtype``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                               .float() / head_dim))
-    freqs = positions.float().unsqueeze(1) * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [N, heads, d] by the "rotate half" convention (pairs ``i`` and ``i + d/2``)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _required_weights(config: LlamaConfig) -> list[str]:
@@ -131,11 +112,17 @@ class LlamaModel:
         weights: Hugging Face Llama names -> tensors (as :func:`load_gguf` returns); moved to
             ``backend.device`` and cast to ``dtype``.
         backend: the HAL backend that stores K/V and runs attention.
-        dtype: float32, float16 or bfloat16; also the KV cache's dtype.
+        dtype: float32, float16 or bfloat16; also the KV cache's dtype. None: float32 on the CPU,
+            bfloat16 on an accelerator.
+        batch_invariant: compute every projection with one fixed tiling whatever the number of rows
+            (:mod:`ngram_hal.kernels.gpu.matmul`), so that a row's logits do not depend on its batch;
+            needs a backend whose model kernels are Triton.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype | None = None, batch_invariant: bool = False):
+        if dtype is None:
+            dtype = default_dtype(backend.device)
         missing = [n for n in _required_weights(config) if n not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}")
@@ -147,9 +134,16 @@ class LlamaModel:
         self.dtype = dtype
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
+        self.ops = make_ops(config, backend, dtype)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and getattr(backend, "model_kernels", "torch") != "triton":
+            raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{backend.name}'")
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def make_linear(weight: torch.Tensor) -> Linear:
+            return linear_for(weight, batch_invariant)
 
         self.embed = make_linear(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
@@ -169,22 +163,24 @@ class LlamaModel:
 
     @classmethod
     def from_gguf(cls, backend: Backend, path: str | os.PathLike | None = None,
-                  dtype: torch.dtype = torch.float32) -> "LlamaModel":
+                  dtype: torch.dtype | None = None, batch_invariant: bool = False) -> "LlamaModel":
         """Load a GGUF file (default: the SmolLM2-135M-Instruct file, see :func:`find_model_file`).
 
         The file's tokenizer metadata is kept as ``tokenizer_metadata``
         (``Tokenizer(model.tokenizer_metadata)`` builds the tokenizer without reading the file again).
         """
+        if dtype is None:
+            dtype = default_dtype(backend.device)
         config, weights, tokenizer = load_gguf(path, dtype=dtype)
-        model = cls(config, weights, backend, dtype)
+        model = cls(config, weights, backend, dtype, batch_invariant)
         model.tokenizer_metadata = tokenizer
         return model
 
     @classmethod
     def random(cls, config: LlamaConfig, backend: Backend, dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> "LlamaModel":
+               seed: int = 0, batch_invariant: bool = False) -> "LlamaModel":
         """A model with the seeded weights of :func:`random_weights`."""
-        return cls(config, random_weights(config, seed), backend, dtype)
+        return cls(config, random_weights(config, seed), backend, dtype, batch_invariant)
 
     def new_kv_cache(self, num_slots: int) -> KVCache:
         """An empty cache of ``num_slots`` slots for this model's layers, KV heads and dtype."""
@@ -211,26 +207,25 @@ class LlamaModel:
         cfg, be = self.config, self.backend
         N = batch.input_ids.shape[0]
         max_kv_len = batch.max_kv_len
-        if max_kv_len is None:
+        if self.batch_invariant:
+            # One bound for every batch, so that attention splits each query's keys the same way.
+            max_kv_len = batch.req_to_token.shape[1]
+        elif max_kv_len is None:
             max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, ops = cfg.num_heads * cfg.head_dim, self.ops
         layout = be.attention_layout(batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens, N,
-                                     batch.tree_mask, max_kv_len)
+                                     batch.tree_mask, max_kv_len, self.batch_invariant)
+        rope = ops.rope(batch.positions)
         x = self.embed.rows(batch.input_ids)
-        cos, sin = rotary(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qk, v = layer.wqkv(h).split([q_size + kv_size, kv_size], dim=-1)
-            qk = apply_rotary(qk.reshape(N, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            q, k = q.contiguous(), k.contiguous()
-            be.store_kv(kv, i, batch.out_cache_loc, k, v.reshape(N, cfg.num_kv_heads, cfg.head_dim).contiguous())
+            h = ops.norm(x, layer.attn_norm, delta)
+            q = ops.rope_store(rope, layer.wqkv(h), kv, i, batch.out_cache_loc)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len, layout)
-            x = x + layer.wo(o.reshape(N, q_size))
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = layer.w_gate_up(h).chunk(2, dim=-1)
-            x = x + layer.w_down(F.silu(gate) * up)
+            h = ops.norm(x, layer.mlp_norm, layer.wo(o.reshape(N, q_size)))
+            delta = layer.w_down(ops.swiglu(layer.w_gate_up(h)))
+        h = ops.norm(x, self.norm, delta)
         if batch.logits_index is not None:
-            x = x.index_select(0, batch.logits_index)
-        return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps)).float()
+            h = h.index_select(0, batch.logits_index)
+        return self.lm_head(h).float()

@@ -50,6 +50,7 @@ class InflightStep:
         tokens: host int64[B*D] committed tokens, -1 padded. lens: host int64[B] tokens committed.
         logprobs: host float32[B*D] or None.
         event: recorded after the copies; complete once the host buffers are valid.
+        begin: recorded before the step's first device op (with ``event``, times the step).
         launch_s: host seconds spent enqueuing the step.
         tree_size: the draft-tree size the speculation policy chose for a decode step.
     """
@@ -61,6 +62,7 @@ class InflightStep:
     lens: torch.Tensor
     logprobs: torch.Tensor | None
     event: object
+    begin: object = None
     launch_s: float = 0.0
     tree_size: int = 1
     absorbed: bool = False

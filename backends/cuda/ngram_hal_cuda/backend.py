@@ -11,6 +11,8 @@ not a GPU (no speed, no races), and reports ``proxy=True``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ngram_hal.backend import Backend
@@ -38,6 +40,10 @@ class CudaBackend(TritonOps, Backend):
         if device is None and type(self).proxy:
             device = "cpu"
         super().__init__(device=device, strict=strict)
+        if self.device.type == "cpu":
+            # Interpreted on the CPU: split the keys of small batches too, so that the key-split and
+            # merge kernels (the GPU's decode path) run in the proxy's checks.
+            self.launch = replace(self.launch, attn_programs=64, attn_min_split=16)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

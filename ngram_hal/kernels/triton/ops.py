@@ -30,6 +30,7 @@ class TritonOps:
     """Mixin: every HAL op by the Triton kernels of :mod:`ngram_hal.kernels.triton`."""
 
     launch: ClassVar[LaunchConfig] = LaunchConfig()
+    model_kernels: ClassVar[str] = "triton"
 
     _alloc_extend = _kernel_op("alloc", "alloc_extend")
     _assign_req_to_token = _kernel_op("alloc", "assign_req_to_token")

@@ -1,0 +1,87 @@
+"""Rotary embedding of the new tokens' queries and keys, fused with the K/V store into the cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_ptr, max_pos, num_slots,
+                         HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + j)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + j)
+    heads = tl.arange(0, BLOCK_H)
+    width: tl.constexpr = (HQ + 2 * H) * HEAD_DIM
+    base = qkv_ptr + row * width
+    rotated = heads < HQ + H
+    x1 = tl.load(base + heads[:, None] * HEAD_DIM + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + heads[:, None] * HEAD_DIM + HALF + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
+    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ptr.dtype.element_ty)
+    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ptr.dtype.element_ty)
+    is_q = heads < HQ
+    q_out = q_ptr + row * HQ * HEAD_DIM + heads[:, None] * HEAD_DIM
+    tl.store(q_out + j[None, :], y1, mask=is_q[:, None])
+    tl.store(q_out + HALF + j[None, :], y2, mask=is_q[:, None])
+    loc = tl.load(loc_ptr + row)
+    if (loc >= 0) & (loc < num_slots):
+        is_k = (heads >= HQ) & rotated
+        kv_head = heads - HQ
+        k_out = k_ptr + (loc * H + kv_head)[:, None] * HEAD_DIM
+        tl.store(k_out + j[None, :], y1, mask=is_k[:, None])
+        tl.store(k_out + HALF + j[None, :], y2, mask=is_k[:, None])
+        d = tl.arange(0, 2 * HALF)
+        vh = tl.arange(0, BLOCK_H)
+        v_ok = vh < H
+        v = tl.load(base + (HQ + H + vh)[:, None] * HEAD_DIM + d[None, :], mask=v_ok[:, None], other=0.0)
+        tl.store(v_ptr + (loc * H + vh)[:, None] * HEAD_DIM + d[None, :], v, mask=v_ok[:, None])
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
+    """float32[max_positions, head_dim]: ``cos(p * f)`` in the first half, ``sin(p * f)`` in the
+    second, for the frequencies ``f_j = theta ** (-2j / head_dim)``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.int64, device=device).float().unsqueeze(1) * inv_freq
+    return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
+
+
+def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, out_cache_loc: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotate the queries and keys of N new tokens and write their K/V rows into one layer's cache.
+
+    Rotation is "rotate half" (pairs ``i`` and ``i + d/2``) in float32, rounded once. Rows whose
+    ``out_cache_loc`` is -1 (or outside the cache) are not stored; positions past the table are
+    clamped to its last row.
+
+    Args:
+        qkv: float[N, (Hq + 2H) * d], the fused projection (queries, keys, values).
+        positions: int64[N]. table: float32[P, d] from :func:`rope_table`.
+        k_cache, v_cache: float[S + 1, H, d], one layer of the cache (contiguous).
+        out_cache_loc: int64[N] slot of each token.
+    Returns:
+        float[N, Hq, d] rotated queries in qkv's dtype.
+    """
+    N = qkv.shape[0]
+    d = table.shape[1]
+    Hq, H = num_heads, num_kv_heads
+    if qkv.shape != (N, (Hq + 2 * H) * d) or not qkv.is_contiguous():
+        raise ValueError(f"rotary_store: qkv must be contiguous [N, {(Hq + 2 * H) * d}], got {tuple(qkv.shape)}")
+    for name, t in (("positions", positions), ("out_cache_loc", out_cache_loc)):
+        if t.shape != (N,) or t.dtype != torch.int64:
+            raise ValueError(f"rotary_store: {name} must be int64[{N}]")
+    if k_cache.shape[1:] != (H, d) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"rotary_store: caches must be contiguous [S+1, {H}, {d}]")
+    if d & (d - 1):
+        raise ValueError(f"rotary_store: head_dim {d} must be a power of two")
+    q = torch.empty((N, Hq, d), dtype=qkv.dtype, device=qkv.device)
+    if N:
+        _rotary_store_kernel[(N,)](qkv, positions, table, q, k_cache, v_cache, out_cache_loc, table.shape[0],
+                                   k_cache.shape[0] - 1, HQ=Hq, H=H, HEAD_DIM=d,
+                                   BLOCK_H=triton.next_power_of_2(Hq + H), HALF=d // 2, num_warps=4)
+    return q

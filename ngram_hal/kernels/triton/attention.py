@@ -1,0 +1,263 @@
+"""Paged attention over the KV cache: prefill, decode, mixed extends and tree verify, grouped-query.
+
+Work split. The queries of a batch are cut into *tiles* of up to ``BLOCK_Q`` consecutive queries of
+one request. A program takes one tile, one KV head and one range of key positions: its rows are
+the tile's queries times the ``G = Hq / H`` query heads that share the KV head (``BLOCK_M >=
+BLOCK_Q * G`` rows, so a decode step still feeds the matrix units), and it walks its keys in
+blocks of ``BLOCK_N``, reading each key's slot from ``req_to_token`` and the K/V rows from the
+cache (any page size: the table maps positions to slots one by one), with an online softmax.
+When tiles times heads are too few to fill the device, the key range is split (flash-decoding) and
+a second kernel merges the partial results by their log-sum-exp.
+
+The tile table depends only on the batch's metadata, so :func:`attention_layout` builds it once per
+forward (a few torch ops on the device, no host sync) and every layer reuses it. Its size is a host
+bound: ``sum_b ceil(q_b / BLOCK_Q) <= min(N, (N + B * (BLOCK_Q - 1)) // BLOCK_Q)``.
+
+Triton's interpreter computes a bfloat16 ``tl.dot`` wrongly, so there (and only there) bfloat16
+operands are widened to float32 before each product.
+
+Robustness: keys whose slot lies outside the cache, positions past a request's ``kv_lens`` or the
+table's width, and requests whose pool row is out of range are masked, never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backend import AttentionLayout
+from ...memory.kv_cache import KVCache
+from .launch import LaunchConfig, interpreting, num_programs_to_fill
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
+    tile_req_ptr, tile_q0_ptr, tree_mask_ptr,
+    B, R, M, S, N, stride_slot, sm_scale_log2, chunk,
+    Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(tile_req_ptr + tile)
+    if b < B:
+        G: tl.constexpr = Hq // H
+        q0 = tl.load(tile_q0_ptr + tile)
+        r = tl.load(req_pool_ptr + b)
+        kv_len = tl.load(kv_lens_ptr + b)
+        q_len = tl.load(q_lens_ptr + b)
+        row0 = tl.load(q_start_ptr + b)
+        valid_req = (r >= 0) & (r < R)
+        kv_len = tl.where(valid_req, tl.minimum(tl.maximum(kv_len, 0), M), 0)
+        prefix = kv_len - q_len
+
+        rows = tl.arange(0, BLOCK_M)
+        qi = q0 + rows // G
+        head = h * G + rows % G
+        row_ok = (rows < BLOCK_Q * G) & (qi < q_len) & (row0 + qi < N) & (row0 + qi >= 0)
+        n_row = (row0 + qi).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < HEAD_DIM
+        q = tl.load(q_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        # The keys this tile can see: causal queries end at their own position, tree nodes at kv_len.
+        if TREE_D > 0:
+            kv_end = kv_len
+        else:
+            kv_end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)
+        start = split * chunk
+        end = tl.minimum(start + chunk, kv_end)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        table_row = req_to_token_ptr + r.to(tl.int64) * M
+        kv_base = h * HEAD_DIM
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            in_range = pos < end
+            slot = tl.load(table_row + pos, mask=in_range, other=-1)
+            key_ok = in_range & (slot >= 0) & (slot < S)
+            offs = kv_base + slot * stride_slot
+            k = tl.load(k_ptr + offs[None, :] + cols[:, None], mask=key_ok[None, :] & col_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
+            rel = pos[None, :] - prefix
+            if TREE_D > 0:
+                in_tree = (rel >= 0) & (rel < TREE_D)
+                seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
+                               mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
+                visible = (rel < 0) | (in_tree & (seen != 0))
+            else:
+                visible = rel <= qi[:, None]
+            visible = visible & key_ok[None, :] & row_ok[:, None]
+            qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if SPLIT:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            part = (n_row * Hq + head) * tl.num_programs(2) + split
+            tl.store(mid_lse_ptr + part, lse, mask=row_ok)
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[n, hq] = the splits' partial outputs weighted by their share of the softmax mass."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < SPLITS
+    lse = tl.load(mid_lse_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(s_ok, tl.exp2(lse - top), 0.0)
+    total = tl.sum(w, 0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    o = tl.load(mid_o_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + cols[None, :],
+                mask=(s_ok & (w > 0))[:, None] & col_ok[None, :], other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + cols, merged.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@dataclass
+class _Tiles:
+    """The tile table for one tile height: ``req[t]`` (B for an unused tile) and ``q0[t]``."""
+
+    block_q: int
+    req: torch.Tensor
+    q0: torch.Tensor
+
+
+class Plan:
+    """The per-forward metadata of :func:`attention`: query offsets and, per tile height, the
+    tile table (built on first use; every layer of a forward uses the same height)."""
+
+    def __init__(self, layout: AttentionLayout):
+        q_lens = layout.q_lens.clamp(min=0)
+        self.q_lens = q_lens
+        self.q_start = torch.cumsum(q_lens, 0) - q_lens
+        self._tiles: dict[int, _Tiles] = {}
+        self.batch_size = layout.batch_size
+        self.num_queries = layout.num_queries
+
+    def tiles(self, block_q: int) -> _Tiles:
+        found = self._tiles.get(block_q)
+        if found is None:
+            B, N = self.batch_size, self.num_queries
+            count = min(N, (N + B * (block_q - 1)) // block_q)
+            per_req = (self.q_lens + block_q - 1) // block_q
+            ends = torch.cumsum(per_req, 0)
+            t = torch.arange(count, dtype=torch.int64, device=self.q_lens.device)
+            req = torch.searchsorted(ends, t, right=True)
+            first = (ends - per_req).index_select(0, req.clamp(max=B - 1))
+            found = _Tiles(block_q, req, (t - first) * block_q)
+            self._tiles[block_q] = found
+        return found
+
+
+def attention_layout(layout: AttentionLayout, cfg: LaunchConfig) -> Plan:
+    """The plan of one batch: built once, used by every layer's :func:`attention`."""
+    return Plan(layout)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout, sm_scale: float,
+              cfg: LaunchConfig) -> torch.Tensor:
+    """Paged attention of one layer (see :meth:`ngram_hal.Backend.attention`).
+
+    Args:
+        q: float[N, Hq, d] of the cache's dtype. layout: from :meth:`ngram_hal.Backend.attention_layout`.
+    Returns:
+        float[N, Hq, d] in q's dtype; float32 accumulation.
+    """
+    N, Hq, d = q.shape
+    H = kv.num_heads
+    G = Hq // H
+    B = layout.batch_size
+    out = torch.empty_like(q)
+    if N == 0 or B == 0:
+        return out
+    plan: Plan = layout.plan
+    tree = layout.tree_mask
+    tree_d = tree.shape[1] if tree is not None else 0
+    per_req = tree_d if tree is not None else -(-N // B)
+    max_m = max(16, _pow2(G), cfg.attn_block_m)
+    block_m = max_m if layout.batch_invariant else min(_pow2(max(1, per_req) * G), max_m)
+    block_m = max(16, block_m)
+    block_q = max(1, block_m // G)
+    tiles = plan.tiles(block_q)
+    num_tiles = tiles.req.shape[0]
+    block_d = max(16, _pow2(d))
+    block_n = cfg.attn_block_n(d, q.element_size())
+    max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
+    if layout.batch_invariant:
+        # Key chunks at fixed positions: a query's reduction order depends on its own length only.
+        chunk = cfg.attn_min_split
+    else:
+        want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
+        splits = 1
+        if num_tiles * H < want and max_kv > cfg.attn_min_split:
+            splits = min(-(-want // (num_tiles * H)), -(-max_kv // cfg.attn_min_split))
+        chunk = -(-max_kv // splits)
+    chunk = -(-chunk // block_n) * block_n
+    splits = -(-max_kv // chunk)
+    if splits > 1:
+        mid_o = torch.empty((N, Hq, splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out
+    mask = tree.view(torch.uint8) if tree is not None else plan.q_lens
+    k_layer, v_layer = kv.k[layer], kv.v[layer]
+    grid = (num_tiles, H, splits)
+    _attention_kernel[grid](
+        q, k_layer, v_layer, out, mid_o, mid_lse,
+        layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
+        tiles.req, tiles.q0, mask,
+        B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
+        k_layer.stride(0), sm_scale * _LOG2E, chunk,
+        Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+        UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_num_stages)
+    if splits > 1:
+        _merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
+                                 BLOCK_D=block_d, num_warps=cfg.num_warps)
+    return out

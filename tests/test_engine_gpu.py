@@ -1,0 +1,91 @@
+"""The engine on a GPU through the cuda backend: captured step graphs, bfloat16, the fused model
+kernels and the batch-invariant mode. Skipped where no CUDA device is present.
+
+* Replaying captured graphs gives the tokens of eager forwards (batch-invariant mode, where both
+  read the keys in the same fixed chunks).
+* Greedy with speculation equals greedy without it in the batch-invariant mode for chain-shaped
+  drafts (prompt lookup): each accepted node sits at the position plain decoding gives it.
+* After warm-up, a run with graphs makes no hidden host sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_hal.engine.config import LlamaConfig
+from ngram_hal.engine.engine import Engine, EngineConfig
+from ngram_hal.engine.graphs import batch_buckets
+from ngram_hal.engine.model import LlamaModel
+from ngram_hal.engine.request import SamplingParams
+
+CUDA = torch.cuda.is_available() and torch.version.cuda is not None
+CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=6,
+                     num_kv_heads=2, head_dim=64, tie_word_embeddings=False, eos_token_id=None,
+                     max_position_embeddings=512)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from ngram_hal_cuda import CudaBackend
+
+    return CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 512, (12,), generator=g).tolist()
+    return [base * 4, base[:5] * 6 + base, torch.randint(0, 512, (40,), generator=g).tolist(), base * 2]
+
+
+def _run(model, prompts, **cfg):
+    engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8, **cfg))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    return engine, [o.token_ids for o in outs]
+
+
+@gpu
+def test_graphs_replay_the_eager_forward(backend, prompts):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=3, batch_invariant=True)
+    for spec_nodes in (1, 4):
+        engine, with_graphs = _run(model, prompts, spec_nodes=spec_nodes, graphs=True)
+        assert engine.graphs is not None and engine.graphs.captures > 0
+        _, eager = _run(model, prompts, spec_nodes=spec_nodes, graphs=False)
+        assert with_graphs == eager
+
+
+@gpu
+def test_invariant_greedy_speculation_equals_plain(backend, prompts):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    _, plain = _run(model, prompts, spec_nodes=1)
+    engine, spec = _run(model, prompts, spec_nodes=8, drafter="linear")
+    assert engine.stats.tokens_per_step > 1.0, "the prompts must accept drafts for this test to cover speculation"
+    assert spec == plain
+
+
+@gpu
+@pytest.mark.parametrize("spec_nodes", [1, 8])
+def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5)
+    engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8,
+                                              spec_nodes=spec_nodes, spec_policy="always"))
+    engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(o.token_ids) == 40 for o in outs)
+    assert engine.stats.device_busy_s > 0
+    assert engine.sched.slots.available() == engine.sched.slots.num_slots

@@ -1,0 +1,89 @@
+"""The engine-side GPU kernels (``ngram_hal.kernels.gpu``) against the model's torch operations.
+
+Under Triton's interpreter (no CUDA device here) float32 results are compared tightly; bfloat16
+ones loosely, since the interpreter rounds float32 to bfloat16 by truncation where a GPU rounds
+to nearest. Batch invariance of the product is exact in every dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from ngram_hal.engine.ops import apply_rotary, rms_norm as torch_rms_norm, rotary  # noqa: E402
+from ngram_hal.kernels.gpu.matmul import invariant_linear  # noqa: E402
+from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
+from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
+from ngram_hal.kernels.gpu.swiglu import swiglu  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 4e-2}
+
+
+def _randn(*shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_with_residual(dtype):
+    x, delta, w = _randn(7, 96, dtype=dtype, seed=1), _randn(7, 96, dtype=dtype, seed=2), _randn(96, dtype=dtype, seed=3)
+    summed = (x.float() + delta.float()).to(dtype)
+    out = rms_norm(x, w, 1e-5, delta)
+    torch.testing.assert_close(x.float(), summed.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.float(), torch_rms_norm(summed, w, 1e-5).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(rms_norm(summed, w, 1e-5).float(), out.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_store(dtype):
+    Hq, H, d, S = 6, 2, 16, 9
+    qkv = _randn(4, (Hq + 2 * H) * d, dtype=dtype, seed=4)
+    positions = torch.tensor([0, 5, 17, 200], device=DEVICE)
+    locs = torch.tensor([2, -1, 7, S], device=DEVICE)
+    k_cache = torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    table = rope_table(d, 10000.0, 64, DEVICE)
+    q = rotary_store(qkv, positions, table, k_cache, v_cache, locs, Hq, H)
+    clamped = positions.clamp(max=63)
+    cos, sin = rotary(clamped, d, 10000.0, torch.float32)
+    want = apply_rotary(qkv[:, :(Hq + H) * d].float().reshape(4, Hq + H, d), cos, sin)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q.float(), want[:, :Hq], atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache[2].float(), want[0, Hq:], atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache[7].float(), want[2, Hq:], atol=tol, rtol=tol)
+    v = qkv[:, (Hq + H) * d:].reshape(4, H, d)
+    assert torch.equal(v_cache[2], v[0]) and torch.equal(v_cache[7], v[2])
+    untouched = [i for i in range(S + 1) if i not in (2, 7)]
+    assert not k_cache[untouched].any() and not v_cache[untouched].any(), "a -1 or out-of-range loc was stored"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu(dtype):
+    gate_up = _randn(3, 2 * 40, dtype=dtype, seed=5)
+    want = F.silu(gate_up[:, :40].float()) * gate_up[:, 40:].float()
+    torch.testing.assert_close(swiglu(gate_up).float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_invariant_linear(dtype):
+    x, w = _randn(37, 100, dtype=dtype, seed=6), _randn(70, 100, dtype=dtype, seed=7)
+    out = invariant_linear(x, w)
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype] * 10, rtol=TOL[dtype])
+    for rows in ([0], [5, 6], list(range(16, 37))):
+        sub = invariant_linear(x[rows].contiguous(), w)
+        assert torch.equal(sub, out[rows]), f"rows {rows} differ when computed in a smaller batch"
+
+
+def test_wrappers_refuse_bad_shapes():
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="rms_norm"):
+        rms_norm(x, torch.zeros(7, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="swiglu"):
+        swiglu(torch.zeros(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="invariant_linear"):
+        invariant_linear(x, torch.zeros(3, 9, device=DEVICE))

@@ -1,0 +1,119 @@
+"""The Triton paged-attention kernel (``ngram_hal.kernels.triton.attention``) against float64 dense
+attention: every batch kind, grouped-query head maps, head sizes, the three KV dtypes, with and
+without the key split and its merge kernel, and default-mode robustness. Runs under Triton's
+interpreter on the CPU (``tests/conftest.py``) or compiled on a CUDA device."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from ngram_hal_conformance.test_attention import TOLERANCE, attention_call, dense_attention
+
+pytest.importorskip("triton")
+from ngram_hal_cuda import CudaBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = {
+    "prefill": dict(kv_lens=[5, 12, 1], q_lens=[5, 12, 1]),
+    "decode": dict(kv_lens=[40, 3, 70, 1], q_lens=[1, 1, 1, 1]),
+    "mixed": dict(kv_lens=[20, 3, 11, 7, 6], q_lens=[5, 3, 1, 0, 2]),
+    "long-prefill": dict(kv_lens=[150], q_lens=[150]),
+    "tree": dict(kv_lens=[12, 5], q_lens=[5, 5], trees=[[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]]),
+    "tree-deep": dict(kv_lens=[30, 17], q_lens=[17, 17], trees=[[-1] + list(range(16)), [-1] + [0] * 16]),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _backend(split: bool) -> CudaBackend:
+    """A cuda backend whose attention splits the keys (and merges) whenever a request has >16 keys,
+    or never splits."""
+    backend = CudaBackend(device=DEVICE)
+    backend.launch = replace(CudaBackend.launch, attn_programs=4096 if split else 1, attn_min_split=16)
+    return backend
+
+
+def _check(backend, call, what: str) -> torch.Tensor:
+    a = call.args
+    out = backend.attention(**a)
+    assert out.dtype == a["q"].dtype and out.shape == a["q"].shape
+    want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
+                           a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
+    got = out.cpu().double()
+    assert bool(torch.isfinite(got).all()), f"{what}: NaN or inf (read a row outside the request?)"
+    atol, rtol = TOLERANCE[a["q"].dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-keys"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_dense(name, dtype, split):
+    call = attention_call(random.Random(name), DEVICE, dtype, heads=(6, 2), poison=True, spare_slots=6,
+                          **CASES[name])
+    _check(_backend(split), call, f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("heads", [(1, 1), (4, 4), (8, 2), (9, 3), (16, 1), (32, 8)], ids=str)
+@pytest.mark.parametrize("head_dim", [4, 64, 128])
+def test_head_maps_and_sizes(heads, head_dim):
+    """Grouped-query maps (G = 1 to 16) and head sizes below and at the matrix-unit minimum."""
+    call = attention_call(random.Random(f"{heads}{head_dim}"), DEVICE, torch.float32, heads=heads,
+                          head_dim=head_dim, poison=True, kv_lens=[9, 33, 2], q_lens=[9, 1, 2])
+    _check(_backend(False), call, f"heads {heads} d {head_dim}")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-keys"])
+def test_layout_shared_by_layers(split):
+    """One layout, three layers: each layer's output equals a call that builds its own layout."""
+    backend = _backend(split)
+    call = attention_call(random.Random("layers"), DEVICE, torch.bfloat16, num_layers=3, kv_lens=[19, 40],
+                          q_lens=[2, 1])
+    a = call.args
+    layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                      a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
+    for layer in range(3):
+        shared = backend.attention(**{**a, "layer": layer}, layout=layout)
+        assert torch.equal(shared, backend.attention(**{**a, "layer": layer}))
+
+
+def test_generous_max_kv_len():
+    """max_kv_len above every kv_len (and above the table's width) changes nothing."""
+    backend = _backend(True)
+    call = attention_call(random.Random("maxlen"), DEVICE, torch.float32, kv_lens=[8, 21, 3], q_lens=[2, 1, 3])
+    tight = _check(backend, call, "tight")
+    for max_kv_len in (None, 40, 10_000):
+        loose = backend.attention(**{**call.args, "max_kv_len": max_kv_len})
+        torch.testing.assert_close(loose, tight, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["slots", "pool-row", "negative-q", "q-over-kv", "kv-over-table"])
+def test_default_mode_never_reads_or_writes_outside(bad):
+    """Out-of-range values in default mode: no crash, the cache and the table unchanged, rows of
+    well-formed requests still right."""
+    backend = _backend(True)
+    call = attention_call(random.Random(bad), DEVICE, torch.float32, kv_lens=[6, 9], q_lens=[2, 1])
+    a = dict(call.args)
+    table, kv = a["req_to_token"], a["kv"]
+    r = int(a["req_pool_indices"][1])
+    if bad == "slots":
+        table[r, :4] = torch.tensor([-7, kv.num_slots, 10**9, -1])
+    elif bad == "pool-row":
+        a["req_pool_indices"] = a["req_pool_indices"].clone()
+        a["req_pool_indices"][1] = table.shape[0] + 5
+    elif bad == "negative-q":
+        a["q_lens"] = torch.tensor([2, -3], dtype=torch.int64, device=DEVICE)
+    elif bad == "q-over-kv":
+        a["kv_lens"] = torch.tensor([6, 0], dtype=torch.int64, device=DEVICE)
+    else:
+        a["kv_lens"] = torch.tensor([6, 10**6], dtype=torch.int64, device=DEVICE)
+    before = (table.clone(), kv.k.clone(), kv.v.clone())
+    out = backend.attention(**a)
+    assert torch.equal(table, before[0]) and torch.equal(kv.k, before[1]) and torch.equal(kv.v, before[2])
+    good = attention_call(random.Random(bad), DEVICE, torch.float32, kv_lens=[6, 9], q_lens=[2, 1]).args
+    want = dense_attention(good["q"][:2], good["kv"].k, good["kv"].v, good["layer"], good["req_to_token"],
+                           good["req_pool_indices"][:1], good["kv_lens"][:1], good["q_lens"][:1], good["sm_scale"])
+    torch.testing.assert_close(out[:2].cpu().double(), want[:2], atol=1e-3, rtol=1e-3)

@@ -1,9 +1,14 @@
 """The HAL: :class:`Backend`, the one interface the core calls.
 
 Each public op validates its arguments through :mod:`ngram_hal.contract` (metadata only; value
-checks too when ``strict``) and then calls the subclass's ``_<op>``. A subclass implements the
+checks too when ``strict``) and then calls the subclass's ``_<op>``; when ``strict``, it also
+checks what ``_<op>`` returned (dtype, shape, device, sentinel range), so a backend's broken output
+raises :class:`ContractError` naming the op and the output at run time. A subclass implements the
 ops it can by defining ``_<op>``; :meth:`Backend.capabilities` lists exactly those, and calling
 any other raises ``NotImplementedError`` naming the op and the backend.
+
+Draft trees list parents before children: any topological order is valid, and the drafters emit
+BFS. Sibling order is node order.
 
 Shapes: B requests, D draft-tree nodes per request (node 0 the root), L layers, H kv heads,
 Hq query heads, d head dim, S slots, V vocabulary, R request-pool rows, M max context.
@@ -133,7 +138,8 @@ class Backend:
             page_size: host int >= 1.
             num_new_tokens: host int, ``sum(seq_lens - prefix_lens)``.
         Returns:
-            int64[num_new_tokens] slot ids, request by request. Pure: the caller pops the pages.
+            ``slots``: int64[num_new_tokens] slot ids (>= 0), request by request. Pure: the caller
+            pops the pages.
         """
         op, dev = "alloc_extend", self.device
         c.check_index(op, "prefix_lens", prefix_lens, dev, ndim=1)
@@ -157,7 +163,11 @@ class Backend:
                 raise c.ContractError(op, "last_loc", "-1 given for a request with a non-empty prefix")
             c.value_range(op, "free_pages", free_pages, 0, 2**62, allow_sentinel=False)
             c.value_distinct(op, "free_pages", free_pages)
-        return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens)
+        slots = fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens)
+        if self.strict:
+            c.check_index(op, "slots", slots, dev, shape=(num_new_tokens,), output=True)
+            c.value_range(op, "slots", slots, 0, 2**62, allow_sentinel=False, output=True)
+        return slots
 
     # ---------------------------------------------------------------- cache locations
 
@@ -180,6 +190,9 @@ class Backend:
                             start: torch.Tensor, end: torch.Tensor, locs: torch.Tensor) -> None:
         """In place: ``req_to_token[r_b, start_b:end_b] = locs[off_b : off_b + end_b - start_b]``.
 
+        Requests may share a row only with disjoint ranges (strict mode checks it), so the result
+        never depends on the order of the writes. ``locs`` are written as given, -1 included.
+
         Args:
             req_to_token: int64[R, M]. req_pool_indices, start, end: int64[B].
             locs: int64[N], ``N = sum(end - start)``; ``off`` is the running sum.
@@ -190,14 +203,18 @@ class Backend:
         fn = self._impl(op)
         if self.strict:
             c.value_equal(op, "locs", locs.numel(), int((end - start).sum()), "length vs sum(end - start)")
+            c.value_disjoint_rows(op, "req_pool_indices", req_pool_indices, start, end)
         fn(req_to_token, req_pool_indices, start, end, locs)
 
     def gather_cache_locs(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           start: torch.Tensor, end: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-        """The inverse of :meth:`assign_req_to_token`: int64[N] locs concatenated in request order.
+        """The inverse of :meth:`assign_req_to_token`: the cells ``req_to_token[r_b, start_b:end_b]``.
 
         Args:
+            req_to_token: int64[R, M]. req_pool_indices, start, end: int64[B].
             num_tokens: host int ``sum(end - start)``; pass it to avoid a host sync.
+        Returns:
+            ``locs``: int64[num_tokens], concatenated in request order.
         """
         op = "gather_cache_locs"
         self._check_req_rows(op, req_to_token, req_pool_indices, start, end)
@@ -207,7 +224,10 @@ class Backend:
         fn = self._impl(op)
         if self.strict:
             c.value_equal(op, "num_tokens", int((end - start).sum()), num_tokens, "sum(end - start)")
-        return fn(req_to_token, req_pool_indices, start, end, num_tokens)
+        locs = fn(req_to_token, req_pool_indices, start, end, num_tokens)
+        if self.strict:
+            c.check_index(op, "locs", locs, self.device, shape=(num_tokens,), output=True)
+        return locs
 
     # ---------------------------------------------------------------- KV
 
@@ -272,10 +292,12 @@ class Backend:
         ``dst = req_to_token[r_b, seq_lens[b] + j]``.
 
         Args:
-            out_cache_loc: int64[B*D] slots of the tree nodes. accept_index: int64[B, D].
+            out_cache_loc: int64[B*D] slots of the tree nodes.
+            accept_index: int64[B, D]; row b holds flat ids ``b*D + i`` of its own nodes, -1 padded.
             req_to_token: int64[R, M]. req_pool_indices, seq_lens: int64[B].
         Returns:
-            ``(src, dst)``, each int64[B*D], entry ``b*D + j``, -1 padded. No host sync.
+            ``(src, dst)``, each int64[B*D], entry ``b*D + j``, -1 from ``accept_len_b`` on. No
+            host sync.
         """
         op, dev = "accepted_kv_moves", self.device
         c.check_index(op, "accept_index", accept_index, dev, ndim=2)
@@ -288,16 +310,29 @@ class Backend:
         if self.strict:
             R, M = req_to_token.shape
             c.value_range(op, "accept_index", accept_index, 0, B * D)
+            c.value_own_nodes(op, "accept_index", accept_index)
             c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
             if bool((seq_lens < 0).any()) or bool((seq_lens + D > M).any()):
                 raise c.ContractError(op, "seq_lens", f"need 0 <= seq_lens and seq_lens + D <= {M}")
-        return fn(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
+        moves = fn(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
+        if self.strict:
+            src, dst = _unpack(op, moves, ("src", "dst"))
+            padding = ~torch.cumprod(accept_index != c.SENTINEL, dim=1).bool().reshape(-1)
+            for name, t in (("src", src), ("dst", dst)):
+                c.check_index(op, name, t, dev, shape=(B * D,), output=True)
+                c.value_range(op, name, t, 0, 2**62, output=True)
+                if bool((t[padding] != c.SENTINEL).any()):
+                    raise c.ContractError(op, name, "entries from a request's first -1 in accept_index on "
+                                          "must be -1", output=True)
+        return moves
 
     # ---------------------------------------------------------------- tree and verify
 
     def reconstruct_tree(self, tree_mask: torch.Tensor, seq_lens: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions and retrieve links of B draft trees.
+
+        Nodes list parents before children (any topological order; the drafters emit BFS).
 
         Args:
             tree_mask: bool[B, D, D]; ``tree_mask[b, i, j]`` when node j is node i or an ancestor.
@@ -317,7 +352,16 @@ class Backend:
         if self.strict:
             c.value_tree_mask(op, "tree_mask", tree_mask)
             c.value_range(op, "seq_lens", seq_lens, 0, 2**62, allow_sentinel=False)
-        return fn(tree_mask, seq_lens)
+        tree = fn(tree_mask, seq_lens)
+        if self.strict:
+            names = ("positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
+            outs = _unpack(op, tree, names)
+            for name, t, shape in zip(names, outs, ((B * D,), (B, D), (B, D), (B, D))):
+                c.check_index(op, name, t, dev, shape=shape, output=True)
+            c.value_range(op, "positions", outs[0], 0, 2**62, allow_sentinel=False, output=True)
+            c.value_range(op, "retrieve_index", outs[1], 0, B * D, allow_sentinel=False, output=True)
+            c.value_tree_links(op, outs[2], outs[3], output=True)
+        return tree
 
     def _check_retrieve(self, op, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling):
         dev = self.device
@@ -328,9 +372,22 @@ class Backend:
             c.check_index(op, name, t, dev, shape=(B, D))
         if self.strict:
             c.value_range(op, "retrieve_index", retrieve_index, 0, B * D, allow_sentinel=False)
-            c.value_range(op, "retrieve_next_token", retrieve_next_token, 1, D)
-            c.value_range(op, "retrieve_next_sibling", retrieve_next_sibling, 1, D)
+            c.value_tree_links(op, retrieve_next_token, retrieve_next_sibling)
         return B, D
+
+    def _check_verify_outputs(self, op, out, retrieve_index: torch.Tensor, vocab: int | None):
+        B, D = retrieve_index.shape
+        predicts, accept_index, accept_len = _unpack(op, out, ("predicts", "accept_index", "accept_len"))
+        dev = self.device
+        c.check_index(op, "predicts", predicts, dev, shape=(B * D,), output=True)
+        c.check_index(op, "accept_index", accept_index, dev, shape=(B, D), output=True)
+        c.check_index(op, "accept_len", accept_len, dev, shape=(B,), output=True)
+        if B * D == 0:
+            return
+        c.value_range(op, "accept_len", accept_len, 1, D + 1, allow_sentinel=False, output=True)
+        if vocab is not None:
+            c.value_range(op, "predicts", predicts, 0, vocab, allow_sentinel=False, output=True)
+        c.value_accept_rows(op, accept_index, accept_len, retrieve_index)
 
     def verify_tree_greedy(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
                            retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
@@ -342,7 +399,7 @@ class Backend:
 
         Args:
             candidates: int64[B, D] draft tokens (node 0 the root token).
-            retrieve_*: int64[B, D] from :meth:`reconstruct_tree`.
+            retrieve_*: int64[B, D] from :meth:`reconstruct_tree` (links point to later nodes).
             target_predict: int64[B, D], the target's argmax after each node.
         Returns:
             ``predicts`` int64[B*D] (at each accepted node, the target's token after it; 0
@@ -354,7 +411,10 @@ class Backend:
         B, D = self._check_retrieve(op, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling)
         c.check_index(op, "target_predict", target_predict, self.device, shape=(B, D))
         fn = self._impl(op)
-        return fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict)
+        out = fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict)
+        if self.strict:
+            self._check_verify_outputs(op, out, retrieve_index, None)
+        return out
 
     def verify_tree_sample(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
                            retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
@@ -373,7 +433,8 @@ class Backend:
 
         Args:
             candidates, retrieve_*: as in :meth:`verify_tree_greedy`.
-            target_probs: float[B, D, V], rows sum to 1 (temperature/top-k/top-p already applied).
+            target_probs: float[B, D, V], rows >= 0 summing to 1 (temperature/top-k/top-p already
+                applied).
             uniform_samples: float[B, D] in [0, 1), the coin for each node's acceptance test.
             uniform_final: float[B] in [0, 1), the coin for the bonus token.
         Returns:
@@ -387,10 +448,17 @@ class Backend:
         c.check_float(op, "uniform_samples", uniform_samples, dev, shape=(B, D))
         c.check_float(op, "uniform_final", uniform_final, dev, shape=(B,))
         fn = self._impl(op)
+        V = target_probs.shape[2]
         if self.strict:
-            c.value_range(op, "candidates", candidates, 0, target_probs.shape[2], allow_sentinel=False)
-        return fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
-                  target_probs, uniform_samples, uniform_final)
+            c.value_range(op, "candidates", candidates, 0, V, allow_sentinel=False)
+            c.value_probabilities(op, "target_probs", target_probs)
+            c.value_unit_interval(op, "uniform_samples", uniform_samples)
+            c.value_unit_interval(op, "uniform_final", uniform_final)
+        out = fn(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                 target_probs, uniform_samples, uniform_final)
+        if self.strict:
+            self._check_verify_outputs(op, out, retrieve_index, V)
+        return out
 
     # ---------------------------------------------------------------- attention
 
@@ -409,7 +477,8 @@ class Backend:
             req_to_token: int64[R, M]. req_pool_indices, kv_lens, q_lens: int64[B],
                 ``q_lens <= kv_lens``.
             num_queries: host int N = ``sum(q_lens)``, the rows of ``q``.
-            tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), or None.
+            tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), parents before
+                children, or None.
             max_kv_len: host int >= max(kv_lens); None reads it from the device (a host sync).
             batch_invariant: split the work so that a query's result does not depend on the rest
                 of the batch (same tiling and key chunks whatever B, N or the lengths; together with
@@ -445,12 +514,18 @@ class Backend:
             if max_kv_len is not None and B and int(kv_lens.max()) > max_kv_len:
                 raise c.ContractError(op, "max_kv_len", "smaller than max(kv_lens)")
             if tree_mask is not None:
+                D = tree_mask.shape[1]
+                if bool((q_lens != D).any()):
+                    raise c.ContractError(op, "q_lens", f"with a tree mask every request has D = {D} queries")
                 c.value_tree_mask(op, "tree_mask", tree_mask)
+            max_slot = c.value_read_slots(op, "req_to_token", req_to_token, req_pool_indices, kv_lens)
         if max_kv_len is None:
             max_kv_len = int(kv_lens.max()) if B else 0
         layout = AttentionLayout(backend=self, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                                  kv_lens=kv_lens, q_lens=q_lens, tree_mask=tree_mask,
                                  num_queries=num_queries, max_kv_len=max_kv_len, batch_invariant=bool(batch_invariant))
+        if self.strict:
+            layout.max_slot = max_slot
         layout.plan = self._attention_layout(layout)
         return layout
 
@@ -479,7 +554,7 @@ class Backend:
             layout: from :meth:`attention_layout` over these same tensors (every layer of a
                 forward shares one); None builds it here.
         Returns:
-            float[N, Hq, d] in q's dtype.
+            ``out``: float[N, Hq, d] in q's dtype.
         """
         op, dev = "attention", self.device
         self._check_kv(op, kv)
@@ -498,7 +573,13 @@ class Backend:
             raise c.ContractError(op, "layout", f"expected an AttentionLayout, got {type(layout).__name__}")
         else:
             layout.check_matches(self, req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask, q.shape[0])
-        return self._impl(op)(q, kv, layer, layout, float(sm_scale))
+        if layout.max_slot is not None and layout.max_slot >= kv.num_slots:
+            raise c.ContractError(op, "req_to_token", f"slot {layout.max_slot} read by a request is outside "
+                                  f"the cache's [0, {kv.num_slots})")
+        out = self._impl(op)(q, kv, layer, layout, float(sm_scale))
+        if self.strict:
+            c.check_float(op, "out", out, dev, shape=tuple(q.shape), dtypes=(q.dtype,), output=True)
+        return out
 
 
 class AttentionLayout:
@@ -507,6 +588,7 @@ class AttentionLayout:
     Built by :meth:`Backend.attention_layout`; pass it to every layer's :meth:`Backend.attention`
     of the same forward. ``plan`` is the backend's own (None for a backend that precomputes
     nothing). The tensors are held, not copied: writing to them in place invalidates the layout.
+    ``max_slot`` is the largest slot a request reads, found by a strict backend (None otherwise).
     """
 
     def __init__(self, backend: Backend, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -521,6 +603,7 @@ class AttentionLayout:
         self.num_queries = num_queries
         self.max_kv_len = max_kv_len
         self.batch_invariant = batch_invariant
+        self.max_slot: int | None = None
         self.plan = None
 
     @property
@@ -541,3 +624,12 @@ class AttentionLayout:
                 raise c.ContractError("attention", "layout", f"built over another '{name}' tensor than the one passed")
         if num_queries != self.num_queries:
             raise c.ContractError("attention", "layout", f"built for {self.num_queries} queries, q has {num_queries}")
+
+
+def _unpack(op: str, out, names: tuple[str, ...]) -> tuple:
+    """``out`` as the tuple of ``len(names)`` results an op returns (strict output check)."""
+    if not isinstance(out, tuple) or len(out) != len(names):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise c.ContractError(op, ", ".join(names), f"expected a tuple ({', '.join(names)}), got {got}", output=True)
+    return out
+

@@ -3,7 +3,8 @@
 A report is the JSON that the conformance suite writes (schema ``ngram-hal-conformance/1``).
 Rows are tests grouped by tier, then op; columns are backends, labelled ``(proxy)`` when the
 run was a proxy; each cell is the test's outcome on that backend (``not run`` when the report
-lacks the test). A summary row counts the outcomes of each column.
+lacks the test) and, for the performance tier, the timings the test recorded (eager, graph
+replay, layout build). A summary row counts the outcomes of each column.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class TestResult(BaseModel):
     outcome: str
     duration_s: float | None = None
     message: str | None = None
+    properties: dict[str, Any] = {}
 
 
 class Report(BaseModel):
@@ -154,6 +156,22 @@ def first_line(text: str | None, limit: int = 300) -> str:
     return lines[0][:limit] if lines else ""
 
 
+# Timing properties of the performance tier, in display order, with their labels.
+TIMINGS = (("eager_ms", ""), ("graph_ms", "graph "), ("layout_ms", "layout "))
+
+
+def timing_text(result: TestResult | None) -> str:
+    """The timings a test recorded, e.g. ``"0.412 ms, graph 0.051 ms"`` (``"graph: failed"`` when
+    graph capture raised); empty when it recorded none."""
+    if result is None:
+        return ""
+    props = result.properties
+    parts = [f"{label}{props[key]:.3g} ms" for key, label in TIMINGS if isinstance(props.get(key), (int, float))]
+    if props.get("graph_error"):
+        parts.append("graph: failed")
+    return ", ".join(parts)
+
+
 def _md(text: str) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
@@ -180,7 +198,8 @@ def to_markdown(matrix: Matrix) -> str:
         for col in matrix.columns:
             result = matrix.cell(row, col)
             outcome = result.outcome if result else NOT_RUN
-            cells.append(f"{_MARKS.get(outcome, '?')} {outcome}")
+            timing = timing_text(result)
+            cells.append(f"{_MARKS.get(outcome, '?')} {outcome}" + (f" ({_md(timing)})" if timing else ""))
             if outcome in ("failed", "error"):
                 failures.append(f"- **{_md(col.label)}** `{_md(row.test_id)}`: "
                                 f"{_md(first_line(result.message) or outcome)}")
@@ -201,6 +220,7 @@ tr.tier th { background: #e4e8f0; text-align: left; font-size: 14px; }
 td.id { font-family: ui-monospace, monospace; }
 td.o { text-align: center; white-space: nowrap; }
 td.nowrap { white-space: nowrap; }
+span.t { font-size: 11px; color: #333; }
 .o-passed { background: #c8f0c8; }
 .o-failed { background: #f8b4b4; font-weight: bold; }
 .o-error { background: #e06060; color: #ffffff; font-weight: bold; }
@@ -220,16 +240,20 @@ def _cls(outcome: str) -> str:
 def _html_cell(result: TestResult | None) -> str:
     if result is None:
         return f'<td class="o {_cls(NOT_RUN)}">{NOT_RUN}</td>'
-    parts = [f"{result.duration_s:.3f} s" if result.duration_s is not None else "", result.message or ""]
+    parts = [f"{result.duration_s:.3f} s" if result.duration_s is not None else "", result.message or "",
+             str(result.properties.get("workload", "")), str(result.properties.get("graph_error", ""))]
     tip = " | ".join(p for p in parts if p)
     title = f' title="{html.escape(tip)}"' if tip else ""
-    return f'<td class="o {_cls(result.outcome)}"{title}>{html.escape(result.outcome)}</td>'
+    timing = timing_text(result)
+    extra = f'<br><span class="t">{html.escape(timing)}</span>' if timing else ""
+    return f'<td class="o {_cls(result.outcome)}"{title}>{html.escape(result.outcome)}{extra}</td>'
 
 
 def to_html(matrix: Matrix, title: str = "ngram-hal conformance matrix") -> str:
     """The matrix as one self-contained HTML page (inline CSS, no external assets).
 
-    Test messages and durations show as the cell's tooltip.
+    Timings of the performance tier show in the cell; test messages, durations and workloads
+    as the cell's tooltip.
     """
     e = html.escape
     ids = matrix.test_ids

@@ -1,9 +1,10 @@
 """Device runtime used by the engine's overlap loop instead of ``torch.cuda``.
 
-``Runtime(device)`` gives streams, events, synchronisation and pinned host buffers for any torch
-device. Accelerators go through ``torch.get_device_module(device.type)`` (``torch.cuda`` for CUDA
-and ROCm, ``torch.npu`` once torch_npu is imported), so nothing here names a vendor. On the CPU,
-work runs eagerly: streams are inert and events complete at once.
+``Runtime(device)`` gives streams, events, synchronisation, pinned host buffers and graph capture
+for any torch device. Accelerators go through ``torch.get_device_module(device.type)``
+(``torch.cuda`` for CUDA and ROCm, ``torch.npu`` once torch_npu is imported), so nothing here names
+a vendor. On the CPU, work runs eagerly: streams are inert, events complete at once and there is
+no graph capture.
 """
 
 from __future__ import annotations
@@ -112,31 +113,39 @@ class Runtime:
 
     @property
     def graph_capture(self) -> bool:
-        """Whether the device module offers graph capture."""
+        """Whether the device module offers graph capture (a graph class and a ``graph`` context)."""
         return self._graph_class() is not None
 
-    def _graph_class(self):
-        if self._host:
-            return None
-        for name in GRAPH_CLASSES:
-            found = getattr(self._module, name, None)
-            if found is not None:
-                return found
-        return None
-
     def new_graph(self):
-        """An empty graph to capture into: the device module's ``CUDAGraph`` (CUDA, and HIP graphs
-        on ROCm) or ``NPUGraph`` (Ascend). ``NotImplementedError`` where there is none."""
-        return self._require_graph_class()()
+        """An empty graph to capture into (``CUDAGraph`` for CUDA and ROCm, ``NPUGraph`` on Ascend).
+
+        Raises ``NotImplementedError`` where the device has no graph capture.
+        """
+        return self._require_graphs()()
+
+    def new_graph_pool(self):
+        """A memory pool several graphs can share (their captures run one after another); pass it
+        to :meth:`capture` as ``pool``. Raises ``NotImplementedError`` where the device has none."""
+        self._require_graphs()
+        if not hasattr(self._module, "graph_pool_handle"):
+            raise NotImplementedError(f"shared graph pools are not available on {self.device}")
+        return self._module.graph_pool_handle()
 
     def capture(self, graph, pool=None, stream=None):
-        """Context manager capturing the work enqueued inside it into ``graph`` (the device
-        module's ``graph(...)``); replay it with ``graph.replay()``."""
-        self._require_graph_class()
+        """Context manager capturing the work enqueued inside it into ``graph``; ``graph.replay()``
+        runs it again. ``pool`` shares a memory pool between graphs; ``stream`` is the side stream
+        to capture on (the device module's default when None)."""
+        self._require_graphs()
         return self._module.graph(graph, pool=pool, stream=stream)
 
-    def _require_graph_class(self):
-        found = self._graph_class()
-        if found is None:
+    def _graph_class(self):
+        if self._host or not hasattr(self._module, "graph"):
+            return None
+        return next((getattr(self._module, name) for name in GRAPH_CLASSES if hasattr(self._module, name)), None)
+
+    def _require_graphs(self):
+        cls = self._graph_class()
+        if cls is None:
             raise NotImplementedError(f"graph capture is not available on {self.device}")
-        return found
+        return cls
+

@@ -282,7 +282,6 @@ def test_slots_exhausted_and_recovered(model, prompts, reference):
     outputs, peak_waiting = [], 0
     while engine.has_unfinished():
         outputs += engine.step()
-        assert engine.sched.slots.available() >= 0
         if engine.sched.running:
             peak_waiting = max(peak_waiting, len(engine.sched.waiting))
     assert peak_waiting >= 1

@@ -142,6 +142,24 @@ def test_html_is_self_contained_coloured_and_escaped(tmp_path):
     assert "<td>4 passed, 1 skipped, 1 not run</td>" in page.split("<tfoot>")[1]
 
 
+def test_performance_timings_show_in_both_formats(tmp_path):
+    cuda, cpu = (make_report(name, [("test_performance.py::test_op_time[move_kv]", "move_kv", "performance", "passed"),
+                                    ("test_kv.py::test_move_kv[strict-on]", "move_kv", "semantics", "passed")])
+                 for name in ("cuda", "cpu"))
+    cuda["tests"][0]["properties"] = {"eager_ms": 0.41234, "graph_ms": 0.0512, "workload": "512 pairs"}
+    cpu["tests"][0]["properties"] = {"eager_ms": 31.2, "graph_error": "RuntimeError: sync during capture"}
+    m = matrix.merge_files([write(tmp_path, "cuda.json", cuda), write(tmp_path, "cpu.json", cpu)])
+    row = next(line for line in matrix.to_markdown(m).splitlines() if "test_op_time[move_kv]" in line)
+    assert row.endswith("| ✅ passed (0.412 ms, graph 0.0512 ms) | ✅ passed (31.2 ms, graph: failed) |")
+    semantics = next(line for line in matrix.to_markdown(m).splitlines() if "test_move_kv[strict-on]" in line)
+    assert semantics.endswith("| ✅ passed | ✅ passed |")
+    parsed = _Collector()
+    parsed.feed(matrix.to_html(m))
+    cells = [(attrs.get("title", ""), text) for attrs, text in parsed.cells if "o-passed" in attrs.get("class", "")]
+    assert ("0.250 s | 512 pairs", "passed0.412 ms, graph 0.0512 ms") in cells
+    assert ("0.250 s | RuntimeError: sync during capture", "passed31.2 ms, graph: failed") in cells
+
+
 def test_duplicate_backends_get_distinct_labels():
     runs = [("passed", "cpu"), ("failed", "cuda:0"), ("passed", "cuda:0")]
     a, b, c = (matrix.Report.model_validate(make_report("rocm", [("t", "move_kv", "semantics", outcome)],

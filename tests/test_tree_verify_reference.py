@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mutants import SAMPLING_MISTAKES, mistaken_sampler
 
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference.tree import reconstruct_tree
@@ -94,83 +95,13 @@ def test_ops_run_on_meta_tensors(op):
         assert t.device.type == "meta" and t.dtype == torch.int64
 
 
-def test_backend_delegates_to_reference_functions():
-    backend = CpuBackend(strict=True)
-    for op, fn in (("reconstruct_tree", reconstruct_tree), ("verify_tree_greedy", verify_tree_greedy),
-                   ("verify_tree_sample", verify_tree_sample)):
-        call = cases.minimal(op, "cpu")
-        for got, want in zip(call.run(backend), fn(**call.args)):
-            assert torch.equal(got, want)
-
-
 # ---------------------------------------------------------------- the sampling check can fail
-
-MISTAKES = ("argmax_shortcut", "no_renormalise", "bonus_from_target", "retry_rejected", "shared_coin")
-
-
-def mistaken_sampler(mistake: str | None):
-    """``verify_tree_sample`` as a per-request Python walk, exact when ``mistake`` is None, else
-    with one classic error:
-
-    * ``argmax_shortcut``: a draft that is the target's argmax is accepted with probability 1;
-    * ``no_renormalise``: after a rejection the next draft is tested against ``q[t]`` alone,
-      not ``q[t] / sum(q)`` of the reduced distribution;
-    * ``bonus_from_target``: the bonus token is drawn from the node's full distribution rather
-      than the residual left by the rejections;
-    * ``retry_rejected``: a rejected token keeps its mass (a repeated sibling token is tried again);
-    * ``shared_coin``: every sibling is tested with the first child's coin.
-    """
-    def verify_sample(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_probs,
-                      uniform_samples, uniform_final):
-        B, D, _ = target_probs.shape
-        tokens, first, sibling = candidates.tolist(), retrieve_next_token.tolist(), retrieve_next_sibling.tolist()
-        probs, coins, finals = target_probs.tolist(), uniform_samples.tolist(), uniform_final.tolist()
-        accepted, committed = [], []
-        for b in range(B):
-            node, nodes, out = 0, [0], []
-            while True:
-                full = probs[b][node]
-                q, child, chosen = list(full), first[b][node], None
-                shared = coins[b][child] if child >= 0 else 0.0
-                while child >= 0:
-                    t, u = tokens[b][child], shared if mistake == "shared_coin" else coins[b][child]
-                    if mistake == "argmax_shortcut" and q[t] == max(q):
-                        ok = True
-                    elif mistake == "no_renormalise":
-                        ok = u < q[t]
-                    else:
-                        ok = u * sum(q) < q[t]
-                    if ok:
-                        chosen = child
-                        break
-                    if mistake != "retry_rejected":
-                        q[t] = 0.0
-                    child = sibling[b][child]
-                if chosen is None:
-                    residual = full if mistake == "bonus_from_target" else q
-                    threshold, cdf = finals[b] * sum(residual), 0.0
-                    for t, p in enumerate(residual):
-                        cdf += p
-                        if cdf > threshold:
-                            break
-                    out.append(t)
-                    break
-                out.append(tokens[b][chosen])
-                nodes.append(chosen)
-                node = chosen
-            accepted.append(nodes)
-            committed.append(out)
-        predicts, accept_index, accept_len = conf.expected_outputs(accepted, committed, D)
-        return (torch.tensor(predicts), torch.tensor(accept_index), torch.tensor(accept_len))
-
-    return verify_sample
-
 
 def test_chi_square_passes_the_exact_python_walk():
     assert conf.sample_pvalue(mistaken_sampler(None), "cpu") > conf.SAMPLE_PVALUE_BOUND
 
 
-@pytest.mark.parametrize("mistake", MISTAKES)
+@pytest.mark.parametrize("mistake", SAMPLING_MISTAKES)
 def test_chi_square_fails_wrong_sampling(mistake):
     assert conf.sample_pvalue(mistaken_sampler(mistake), "cpu") < conf.SAMPLE_PVALUE_BOUND
 

@@ -16,18 +16,34 @@ import torch
 
 from ngram_hal.memory.kv_cache import KVCache
 
-# The index-like arguments of each op with their ranks, in signature order.
-INDEX_ARGS: dict[str, dict[str, int]] = {
-    "alloc_extend": {"prefix_lens": 1, "seq_lens": 1, "last_loc": 1, "free_pages": 1},
-    "assign_req_to_token": {"req_to_token": 2, "req_pool_indices": 1, "start": 1, "end": 1, "locs": 1},
-    "gather_cache_locs": {"req_to_token": 2, "req_pool_indices": 1, "start": 1, "end": 1},
-    "store_kv": {"locs": 1},
-    "move_kv": {"src": 1, "dst": 1},
-    "accepted_kv_moves": {"out_cache_loc": 1, "accept_index": 2, "req_to_token": 2,
-                          "req_pool_indices": 1, "seq_lens": 1},
+# The tensor arguments of every public method of the HAL, in signature order, by kind: "index"
+# (int64), "mask" (bool) or "float". The keys are method names: "attention_layout" is the layout
+# builder of the op "attention" (see OP_OF).
+TENSOR_ARGS: dict[str, dict[str, str]] = {
+    "alloc_extend": {"prefix_lens": "index", "seq_lens": "index", "last_loc": "index", "free_pages": "index"},
+    "assign_req_to_token": {"req_to_token": "index", "req_pool_indices": "index", "start": "index", "end": "index",
+                            "locs": "index"},
+    "gather_cache_locs": {"req_to_token": "index", "req_pool_indices": "index", "start": "index", "end": "index"},
+    "store_kv": {"locs": "index", "k": "float", "v": "float"},
+    "move_kv": {"src": "index", "dst": "index"},
+    "accepted_kv_moves": {"out_cache_loc": "index", "accept_index": "index", "req_to_token": "index",
+                          "req_pool_indices": "index", "seq_lens": "index"},
+    "reconstruct_tree": {"tree_mask": "mask", "seq_lens": "index"},
+    "verify_tree_greedy": {"candidates": "index", "retrieve_index": "index", "retrieve_next_token": "index",
+                           "retrieve_next_sibling": "index", "target_predict": "index"},
+    "verify_tree_sample": {"candidates": "index", "retrieve_index": "index", "retrieve_next_token": "index",
+                           "retrieve_next_sibling": "index", "target_probs": "float", "uniform_samples": "float",
+                           "uniform_final": "float"},
+    "attention_layout": {"req_to_token": "index", "req_pool_indices": "index", "kv_lens": "index",
+                         "q_lens": "index", "tree_mask": "mask"},
+    "attention": {"q": "float", "req_to_token": "index", "req_pool_indices": "index", "kv_lens": "index",
+                  "q_lens": "index", "tree_mask": "mask"},
 }
 
-# Arguments whose length is tied to another argument's (wrong length -> ContractError naming it).
+OP_OF: dict[str, str] = {method: "attention" if method == "attention_layout" else method for method in TENSOR_ARGS}
+"""The op (a name in ``ngram_hal.backend.OPS``) each method of :data:`TENSOR_ARGS` belongs to."""
+
+# Arguments whose size is tied to another argument's (one entry short -> ContractError naming it).
 TIED_ARGS: dict[str, tuple[str, ...]] = {
     "alloc_extend": ("seq_lens", "last_loc"),
     "assign_req_to_token": ("start", "end"),
@@ -35,34 +51,42 @@ TIED_ARGS: dict[str, tuple[str, ...]] = {
     "store_kv": ("k", "v"),
     "move_kv": ("dst",),
     "accepted_kv_moves": ("out_cache_loc", "req_pool_indices", "seq_lens"),
+    "reconstruct_tree": ("seq_lens",),
+    "verify_tree_greedy": ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_predict"),
+    "verify_tree_sample": ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_probs",
+                           "uniform_samples", "uniform_final"),
+    "attention_layout": ("kv_lens", "q_lens", "tree_mask"),
+    "attention": ("q", "kv_lens", "q_lens", "tree_mask"),
 }
 
 
 @dataclass
 class Call:
     """One op's arguments. ``run`` calls it on a backend; ``clone`` deep-copies the tensors and
-    the KV cache so that two backends can run the same call on separate state."""
+    the KV cache so that two backends can run the same call on separate state. ``method`` is the
+    backend method to call when it is not the op itself (``attention_layout``)."""
 
     op: str
     args: dict[str, Any]
     info: dict[str, Any] = field(default_factory=dict)
+    method: str | None = None
 
     def run(self, backend):
-        return getattr(backend, self.op)(**self.args)
+        return getattr(backend, self.method or self.op)(**self.args)
 
     def replace(self, **changes) -> "Call":
-        return Call(self.op, {**self.args, **changes}, self.info)
+        return Call(self.op, {**self.args, **changes}, self.info, self.method)
 
     def clone(self) -> "Call":
-        return Call(self.op, {k: _clone(v) for k, v in self.args.items()}, self.info)
+        return Call(self.op, {k: _clone(v) for k, v in self.args.items()}, self.info, self.method)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The tensors the op may write: ``kv.k``/``kv.v`` and ``req_to_token``."""
+        """Every tensor the op could touch: each tensor argument and ``kv.k``/``kv.v``."""
         out = {}
         for name, value in self.args.items():
             if isinstance(value, KVCache):
                 out[f"{name}.k"], out[f"{name}.v"] = value.k, value.v
-            elif name == "req_to_token":
+            elif isinstance(value, torch.Tensor):
                 out[name] = value
         return out
 
@@ -100,11 +124,13 @@ def random_rows(rng: random.Random, device, n: int, num_heads: int, head_dim: in
 
 # ---------------------------------------------------------------- allocation and cache locs
 
-def alloc_extend(rng: random.Random, device, batch: int, page_size: int, max_len: int, spare_pages: int = 2) -> Call:
-    """B requests with random prefixes held in random pages, extended by random lengths; the
-    free list holds the remaining pages in random order (enough, plus ``spare_pages``)."""
+def alloc_extend(rng: random.Random, device, batch: int, page_size: int, max_len: int, spare_pages: int = 2,
+                 extend: int | None = None) -> Call:
+    """B requests with random prefixes (up to ``max_len``) held in random pages, extended by random
+    lengths up to ``max_len`` (by ``extend`` each when given); the free list holds the remaining
+    pages in random order (enough, plus ``spare_pages``)."""
     prefix = [rng.randint(0, max_len) for _ in range(batch)]
-    seq = [p + rng.randint(0, max_len) for p in prefix]
+    seq = [p + (rng.randint(0, max_len) if extend is None else extend) for p in prefix]
     held = [math.ceil(p / page_size) for p in prefix]
     need = [math.ceil(s / page_size) - h for s, h in zip(seq, held)]
     pages = list(range(sum(held) + sum(need) + spare_pages))
@@ -121,8 +147,13 @@ def alloc_extend(rng: random.Random, device, batch: int, page_size: int, max_len
         "num_new_tokens": sum(s - p for s, p in zip(seq, prefix))})
 
 
+def _loc(rng: random.Random, num_slots: int) -> int:
+    """A slot id, or -1 one time in four."""
+    return -1 if rng.random() < 0.25 else rng.randrange(num_slots)
+
+
 def _req_rows(rng: random.Random, device, batch: int, rows: int, max_context: int, num_slots: int):
-    table = [[rng.randint(-1, num_slots - 1) for _ in range(max_context)] for _ in range(rows)]
+    table = [[_loc(rng, num_slots) for _ in range(max_context)] for _ in range(rows)]
     pool = rng.sample(range(rows), batch)
     bounds = [sorted((rng.randint(0, max_context), rng.randint(0, max_context))) for _ in range(batch)]
     args = {"req_to_token": index(table, device), "req_pool_indices": index(pool, device),
@@ -132,15 +163,15 @@ def _req_rows(rng: random.Random, device, batch: int, rows: int, max_context: in
 
 def assign_req_to_token(rng: random.Random, device, batch: int, rows: int, max_context: int,
                         num_slots: int = 64) -> Call:
-    """Distinct request rows, random ``start <= end`` ranges, random locs (some -1)."""
+    """Distinct request rows, random ``start <= end`` ranges, random locs (a quarter -1)."""
     args, n = _req_rows(rng, device, batch, rows, max_context, num_slots)
-    args["locs"] = index([rng.randint(-1, num_slots - 1) for _ in range(n)], device)
+    args["locs"] = index([_loc(rng, num_slots) for _ in range(n)], device)
     return Call("assign_req_to_token", args)
 
 
 def gather_cache_locs(rng: random.Random, device, batch: int, rows: int, max_context: int,
                       num_slots: int = 64) -> Call:
-    """Distinct request rows and random ``start <= end`` ranges over a random table."""
+    """Distinct request rows and random ``start <= end`` ranges over a random table (a quarter -1)."""
     args, n = _req_rows(rng, device, batch, rows, max_context, num_slots)
     args["num_tokens"] = n
     return Call("gather_cache_locs", args)
@@ -220,10 +251,12 @@ def accepted_kv_moves(rng: random.Random, device, batch: int, depth: int, rows: 
 # ---------------------------------------------------------------- one small valid call per op
 
 def minimal(op: str, device, backend=None) -> Call:
-    """A small, valid call of ``op`` (every op in ``ngram_hal.backend.OPS``).
+    """A small, valid call of ``op`` (every op in ``ngram_hal.backend.OPS``, and
+    ``"attention_layout"``, the layout builder of a minimal attention call).
 
     Given ``backend``, the page size and the KV dtype are ones its capabilities list (4 and
-    float32 when it lists them or lists none).
+    float32 when it lists them or lists none). The attention call is a tree verify (every tensor
+    argument present).
     """
     rng = random.Random(op)
     page_size, dtype = supported(backend)
@@ -269,11 +302,18 @@ def _minimal_model_op(op: str, device, dtype: torch.dtype) -> Call:
         return Call(op, {**retrieve, "target_probs": probs,
                          "uniform_samples": torch.full((2, 3), 0.5, device=device),
                          "uniform_final": torch.full((2,), 0.25, device=device)})
-    if op == "attention":
-        rng = random.Random(op)
-        kv = random_kv(rng, device, 1, 8, 1, 4, dtype)
-        q = random_rows(rng, device, 3, 2, 4, dtype)
-        return Call(op, {"q": q, "kv": kv, "layer": 0, "req_to_token": index([list(range(8)), list(range(8))], device),
-                         "req_pool_indices": index([0, 1], device), "kv_lens": index([2, 3], device),
-                         "q_lens": index([1, 2], device), "sm_scale": 0.5, "max_kv_len": 3})
+    if op in ("attention", "attention_layout"):
+        # Request 0: 2 cached positions and a 3-node chain; request 1: a root with two children.
+        rng = random.Random("attention")
+        kv = random_kv(rng, device, 2, 12, 1, 4, dtype)
+        mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]], [[1, 0, 0], [1, 1, 0], [1, 0, 1]]],
+                            dtype=torch.bool, device=device)
+        table = index([[0, 1, 2, 3, 4, -1], [5, 6, 7, -1, -1, -1], [8, 9, 10, 11, -1, -1]], device)
+        common = {"req_to_token": table, "req_pool_indices": index([0, 2], device),
+                  "kv_lens": index([5, 3], device), "q_lens": index([3, 3], device), "tree_mask": mask,
+                  "max_kv_len": 5}
+        if op == "attention_layout":
+            return Call("attention", {**common, "num_queries": 6}, method="attention_layout")
+        return Call(op, {"q": random_rows(rng, device, 6, 2, 4, dtype), "kv": kv, "layer": 1, **common,
+                         "sm_scale": 0.5})
     raise ValueError(f"unknown op {op!r}")

@@ -63,23 +63,37 @@ def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def assert_unchanged(before: dict[str, torch.Tensor], state: dict[str, torch.Tensor], why: str,
                      num_slots: int | None = None) -> None:
-    """Every state tensor still equals its snapshot (K/V compared on the data rows only)."""
+    """Every state tensor still equals its snapshot bit for bit (NaN included; K/V compared on the
+    data rows only)."""
     for name, old in before.items():
         new = host(state[name])
         if name.endswith((".k", ".v")) and num_slots is not None:
             old, new = old[:, :num_slots], new[:, :num_slots]
+        if old.dtype.is_floating_point and old.dtype == new.dtype and old.shape == new.shape:
+            old, new = old.view(_BITS[old.element_size()]), new.view(_BITS[new.element_size()])
         assert torch.equal(old, new), f"{why}: '{name}' was changed"
 
 
 @contextmanager
 def raises_contract(op: str, arg: str):
-    """Expect a :class:`ContractError` that names ``op`` and ``arg``."""
+    """Expect a :class:`ContractError` that names ``op`` and the argument ``arg``."""
     with pytest.raises(ContractError) as info:
         yield info
     err = info.value
     assert err.op == op, f"ContractError names op '{err.op}', expected '{op}': {err}"
-    assert err.arg == arg, f"ContractError names argument '{err.arg}', expected '{arg}': {err}"
+    assert err.arg == arg and not err.output, f"ContractError names '{err.arg}', expected argument '{arg}': {err}"
     assert op in str(err) and arg in str(err), f"message must name '{op}' and '{arg}': {err}"
+
+
+def rejects(backend, call, arg: str, why: str) -> None:
+    """``call`` raises a ContractError naming its op and ``arg``, and every tensor the op could
+    touch (its tensor arguments and the KV cache) holds what it held before."""
+    before = snapshot(call.state())
+    with raises_contract(call.op, arg):
+        call.run(backend)
+    kv = call.args.get("kv")
+    assert_unchanged(before, call.state(), f"{call.method or call.op} with {why}",
+                     getattr(kv, "num_slots", None))
 
 
 def non_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,13 @@ def backend(request: pytest.FixtureRequest, conformance_strict: bool):
 
 
 @pytest.fixture(scope="session")
+def unchecked_backend(request: pytest.FixtureRequest):
+    """The backend under test with ``strict=False``, whatever ``--strict-mode`` says: what the
+    performance tier times (strict value checks read data, a host sync per op)."""
+    return request.config.stash[_SUITE_KEY].make(strict=False)
+
+
+@pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest):
     """The torch device the backend under test runs on."""
     return request.config.stash[_SUITE_KEY].probe.device

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from . import cases
-from .checks import assert_unchanged, host, raises_contract, snapshot
+from .checks import assert_unchanged, host, rejects, snapshot
 
 conformance = pytest.mark.conformance
 rngs = st.randoms(use_true_random=False)
@@ -221,26 +221,18 @@ def test_matches_dense(backend, device, data, rng, heads, head_dim, batch, mode)
 
 
 # ---------------------------------------------------------------- contract
+# (Every tensor argument of attention and attention_layout, the layout object: test_contract.py;
+# lengths, tree q_lens and the slots read in strict mode: test_strict.py.)
 
 def _minimal(device) -> cases.Call:
     return attention_call(random.Random("contract"), device, torch.float32, kv_lens=[5, 3], q_lens=[2, 3])
 
 
 @conformance(op="attention", tier="contract")
-@pytest.mark.parametrize("arg", ["req_to_token", "req_pool_indices", "kv_lens", "q_lens"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.float32], ids=["int32", "float32"])
-def test_index_dtype_rejected(backend, device, arg, dtype):
-    call = _minimal(device)
-    with raises_contract("attention", arg):
-        call.replace(**{arg: call.args[arg].to(dtype)}).run(backend)
-
-
-@conformance(op="attention", tier="contract")
 def test_q_dtype_must_match_cache(backend, device):
     call = _minimal(device)
     other = torch.float16 if call.args["kv"].dtype != torch.float16 else torch.float32
-    with raises_contract("attention", "q"):
-        call.replace(q=call.args["q"].to(other)).run(backend)
+    rejects(backend, call.replace(q=call.args["q"].to(other)), "q", f"q as {other}")
 
 
 @conformance(op="attention", tier="contract")
@@ -248,31 +240,15 @@ def test_q_head_layout_rejected(backend, device):
     """Query heads must be a multiple of the cache's KV heads, with the cache's head dim."""
     call = _minimal(device)
     q = call.args["q"]
-    with raises_contract("attention", "q"):
-        call.replace(q=q[:, :1].repeat(1, 3, 1).contiguous()).run(backend)
-    with raises_contract("attention", "q"):
-        call.replace(q=q[..., :-1].contiguous()).run(backend)
+    rejects(backend, call.replace(q=q[:, :1].repeat(1, 3, 1).contiguous()), "q", "3 query heads over 2 KV heads")
+    rejects(backend, call.replace(q=q[..., :-1].contiguous()), "q", "a head dim one short")
 
 
 @conformance(op="attention", tier="contract")
-def test_tree_mask_rejected(backend, device):
-    """A tree mask that is not bool, not [B, D, D], or not matching q's rows is refused."""
+def test_tree_mask_must_match_the_batch(backend, device):
+    """A tree mask of another batch size, or of a D that does not match q's rows, is refused."""
     call = attention_call(random.Random("tree-contract"), device, torch.float32, kv_lens=[5, 3], q_lens=[3, 3],
                           trees=[[-1, 0, 1], [-1, 0, 0]])
     mask = call.args["tree_mask"]
-    for bad, arg in ((mask.to(torch.int64), "tree_mask"), (mask[:1].contiguous(), "tree_mask"),
-                     (mask[:, :2, :2].contiguous(), "q")):
-        with raises_contract("attention", arg):
-            call.replace(tree_mask=bad).run(backend)
-
-
-@conformance(op="attention", tier="contract")
-def test_strict_rejects_bad_lengths(backend, device):
-    """Strict mode refuses q_lens > kv_lens and a max_kv_len below max(kv_lens)."""
-    if not backend.strict:
-        pytest.skip("value checks run only in strict mode")
-    call = _minimal(device)
-    with raises_contract("attention", "q_lens"):
-        call.replace(q_lens=cases.index([2, 3], device), kv_lens=cases.index([5, 2], device)).run(backend)
-    with raises_contract("attention", "max_kv_len"):
-        call.replace(max_kv_len=4).run(backend)
+    rejects(backend, call.replace(tree_mask=mask[:1].contiguous()), "tree_mask", "a mask for one request of two")
+    rejects(backend, call.replace(tree_mask=mask[:, :2, :2].contiguous()), "q", "a mask of D = 2 for 6 query rows")

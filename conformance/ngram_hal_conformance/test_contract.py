@@ -1,6 +1,8 @@
-"""Contract tier for the allocation, cache-location and KV ops: wrong dtype, rank, length,
-layout or device of an index argument raises ContractError naming the op and the argument before
-anything is written; outputs are int64, contiguous, on the device; strict mode catches bad values."""
+"""Contract tier, metadata: every tensor argument of every op (``attention_layout`` included) of a
+wrong dtype, rank, size, layout or device raises ContractError naming the op and the argument,
+with every tensor the op could touch left as it was; bad host scalars likewise; outputs are
+int64 (or q's dtype), contiguous, on the device, of the documented shapes; an attention layout
+serves only the backend and the tensors it was built for."""
 
 from __future__ import annotations
 
@@ -8,68 +10,61 @@ import pytest
 import torch
 
 from . import cases
-from .checks import (assert_index_output, assert_unchanged, non_contiguous, other_device, raises_contract,
-                     snapshot)
+from .checks import assert_index_output, assert_unchanged, non_contiguous, other_device, rejects, snapshot
 
 conformance = pytest.mark.conformance
 
-INDEX_ARGS = [pytest.param(op, arg, marks=conformance(op=op), id=f"{op}-{arg}")
-              for op, args in cases.INDEX_ARGS.items() for arg in args]
-TIED_ARGS = [pytest.param(op, arg, marks=conformance(op=op), id=f"{op}-{arg}")
-             for op, args in cases.TIED_ARGS.items() for arg in args]
-BAD_DTYPES = [torch.int32, torch.float32]
-
-
-def _rejects(backend, call: cases.Call, arg: str, why: str) -> None:
-    """``call`` raises ContractError naming its op and ``arg`` and leaves the state as it was."""
-    before = snapshot(call.state())
-    with raises_contract(call.op, arg):
-        call.run(backend)
-    kv = call.args.get("kv")
-    assert_unchanged(before, call.state(), f"{call.op} with {why}", kv.num_slots if kv is not None else None)
+ARGS = [pytest.param(method, arg, marks=conformance(op=cases.OP_OF[method]), id=f"{method}-{arg}")
+        for method, args in cases.TENSOR_ARGS.items() for arg in args]
+TIED_ARGS = [pytest.param(method, arg, marks=conformance(op=cases.OP_OF[method]), id=f"{method}-{arg}")
+             for method, args in cases.TIED_ARGS.items() for arg in args]
+BAD_DTYPES = {"index": (torch.int32, torch.float32), "mask": (torch.int64, torch.uint8),
+              "float": (torch.float64, torch.int64)}
+DTYPE_ARGS = [pytest.param(method, arg, dtype, marks=conformance(op=cases.OP_OF[method]),
+                           id=f"{method}-{arg}-{str(dtype).removeprefix('torch.')}")
+              for method, args in cases.TENSOR_ARGS.items() for arg, kind in args.items() for dtype in BAD_DTYPES[kind]]
 
 
 @conformance(tier="contract")
-@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("op,arg", INDEX_ARGS)
-def test_index_dtype_rejected(backend, device, op, arg, dtype):
-    """An index argument of int32 or float32 is refused, never cast."""
-    call = cases.minimal(op, device, backend)
-    _rejects(backend, call.replace(**{arg: call.args[arg].to(dtype)}), arg, f"{arg} as {dtype}")
+@pytest.mark.parametrize("method,arg,dtype", DTYPE_ARGS)
+def test_dtype_rejected(backend, device, method, arg, dtype):
+    """A tensor argument of a wrong dtype (int32 or float32 indices, int64 or uint8 masks,
+    float64 or int64 floats) is refused, never cast."""
+    call = cases.minimal(method, device, backend)
+    rejects(backend, call.replace(**{arg: call.args[arg].to(dtype)}), arg, f"{arg} as {dtype}")
 
 
 @conformance(tier="contract")
-@pytest.mark.parametrize("op,arg", INDEX_ARGS)
-def test_index_rank_rejected(backend, device, op, arg):
-    """An index argument with one axis too many is refused."""
-    call = cases.minimal(op, device, backend)
-    _rejects(backend, call.replace(**{arg: call.args[arg].unsqueeze(0)}), arg, f"{arg} of rank +1")
+@pytest.mark.parametrize("method,arg", ARGS)
+def test_rank_rejected(backend, device, method, arg):
+    """A tensor argument with one axis too many is refused."""
+    call = cases.minimal(method, device, backend)
+    rejects(backend, call.replace(**{arg: call.args[arg].unsqueeze(0)}), arg, f"{arg} of rank +1")
 
 
 @conformance(tier="contract")
-@pytest.mark.parametrize("op,arg", TIED_ARGS)
-def test_tied_length_rejected(backend, device, op, arg):
-    """An argument whose length must match another's is refused when one entry short."""
-    call = cases.minimal(op, device, backend)
-    value = call.args[arg]
-    _rejects(backend, call.replace(**{arg: value[:-1].contiguous()}), arg, f"{arg} one entry short")
+@pytest.mark.parametrize("method,arg", TIED_ARGS)
+def test_length_rejected(backend, device, method, arg):
+    """An argument whose size is tied to another's is refused when one entry (row) short."""
+    call = cases.minimal(method, device, backend)
+    rejects(backend, call.replace(**{arg: call.args[arg][:-1].contiguous()}), arg, f"{arg} one entry short")
 
 
 @conformance(tier="contract")
-@pytest.mark.parametrize("op,arg", INDEX_ARGS)
-def test_index_layout_rejected(backend, device, op, arg):
-    """A non-contiguous index argument is refused."""
-    call = cases.minimal(op, device, backend)
-    _rejects(backend, call.replace(**{arg: non_contiguous(call.args[arg])}), arg, f"non-contiguous {arg}")
+@pytest.mark.parametrize("method,arg", ARGS)
+def test_layout_rejected(backend, device, method, arg):
+    """A non-contiguous tensor argument is refused (not copied into a contiguous one)."""
+    call = cases.minimal(method, device, backend)
+    rejects(backend, call.replace(**{arg: non_contiguous(call.args[arg])}), arg, f"non-contiguous {arg}")
 
 
 @conformance(tier="contract")
-@pytest.mark.parametrize("op,arg", INDEX_ARGS)
-def test_index_device_rejected(backend, device, op, arg):
-    """An index argument on another device type is refused."""
-    call = cases.minimal(op, device, backend)
+@pytest.mark.parametrize("method,arg", ARGS)
+def test_device_rejected(backend, device, method, arg):
+    """A tensor argument on another device type is refused (not moved)."""
+    call = cases.minimal(method, device, backend)
     moved = call.args[arg].to(other_device(device))
-    _rejects(backend, call.replace(**{arg: moved}), arg, f"{arg} on {moved.device}")
+    rejects(backend, call.replace(**{arg: moved}), arg, f"{arg} on {moved.device}")
 
 
 @conformance(tier="contract", op="store_kv")
@@ -78,25 +73,88 @@ def test_store_kv_rows_dtype_rejected(backend, device, name):
     """K/V rows of another float dtype than the cache's are refused, never cast."""
     call = cases.minimal("store_kv", device, backend)
     other = torch.float16 if call.args["kv"].dtype != torch.float16 else torch.float32
-    _rejects(backend, call.replace(**{name: call.args[name].to(other)}), name, f"{name} as {other}")
+    rejects(backend, call.replace(**{name: call.args[name].to(other)}), name, f"{name} as {other}")
+
+
+# (method, argument, bad value): host scalars and the KV cache.
+SCALARS = [
+    ("alloc_extend", "page_size", 0),
+    ("alloc_extend", "num_new_tokens", -1),
+    ("gather_cache_locs", "num_tokens", 2.0),
+    ("store_kv", "layer", 2),
+    ("store_kv", "kv", "cache"),
+    ("move_kv", "kv", None),
+    ("attention_layout", "num_queries", -1),
+    ("attention_layout", "max_kv_len", "5"),
+    ("attention", "layer", -1),
+    ("attention", "sm_scale", "0.5"),
+]
+
+
+@conformance(tier="contract")
+@pytest.mark.parametrize("method,arg,value", [
+    pytest.param(m, a, v, marks=conformance(op=cases.OP_OF[m]), id=f"{m}-{a}") for m, a, v in SCALARS])
+def test_scalar_rejected(backend, device, method, arg, value):
+    """A host argument of the wrong type or out of range (a layer past the cache's last, a page
+    size of 0, a count below 0, a tensor where a host int goes) is refused by name."""
+    call = cases.minimal(method, device, backend)
+    rejects(backend, call.replace(**{arg: value}), arg, f"{arg}={value!r}")
+
+
+# ---------------------------------------------------------------- outputs
+
+def _output_shapes(call: cases.Call) -> dict[str, tuple[int, ...]]:
+    """The documented shapes of the outputs of ``call``, in order."""
+    a, op = call.args, call.op
+    if op == "alloc_extend":
+        return {"slots": (a["num_new_tokens"],)}
+    if op == "gather_cache_locs":
+        return {"locs": (a["num_tokens"],)}
+    if op == "accepted_kv_moves":
+        return {"src": (a["accept_index"].numel(),), "dst": (a["accept_index"].numel(),)}
+    if op == "reconstruct_tree":
+        B, D = a["tree_mask"].shape[:2]
+        return {"positions": (B * D,), "retrieve_index": (B, D), "retrieve_next_token": (B, D),
+                "retrieve_next_sibling": (B, D)}
+    B, D = a["candidates"].shape
+    return {"predicts": (B * D,), "accept_index": (B, D), "accept_len": (B,)}
+
+
+VALUE_OPS = ("alloc_extend", "gather_cache_locs", "accepted_kv_moves", "reconstruct_tree", "verify_tree_greedy",
+             "verify_tree_sample")
+
+
+@conformance(tier="contract")
+@pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op)) for op in VALUE_OPS])
+def test_outputs(backend, device, op):
+    """Index outputs are int64, contiguous, on the backend's device, of the documented shapes."""
+    call = cases.minimal(op, device, backend)
+    out = call.run(backend)
+    shapes = _output_shapes(call)
+    outs = (out,) if len(shapes) == 1 else out
+    assert isinstance(outs, tuple) and len(outs) == len(shapes), f"{op} returns ({', '.join(shapes)})"
+    for t, (name, shape) in zip(outs, shapes.items()):
+        assert_index_output(t, device, shape, f"{op} {name}")
+
+
+@conformance(tier="contract", op="attention")
+def test_attention_output(backend, device):
+    """Attention returns a new contiguous tensor of q's shape and dtype on the backend's device."""
+    call = cases.minimal("attention", device, backend)
+    q = call.args["q"]
+    out = call.run(backend)
+    assert isinstance(out, torch.Tensor), f"attention returned {type(out).__name__}"
+    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape), (
+        f"attention output {out.dtype}{tuple(out.shape)}, q is {q.dtype}{tuple(q.shape)}")
+    assert out.is_contiguous() and out.device.type == torch.device(device).type
 
 
 @conformance(tier="contract")
 @pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op))
-                                for op in ("alloc_extend", "gather_cache_locs", "accepted_kv_moves")])
-def test_index_outputs(backend, device, op):
-    """Index outputs are int64, contiguous, on the backend's device, of the documented length."""
-    call = cases.minimal(op, device, backend)
-    out = call.run(backend)
-    if op == "alloc_extend":
-        assert_index_output(out, device, (call.args["num_new_tokens"],), "alloc_extend output")
-    elif op == "gather_cache_locs":
-        assert_index_output(out, device, (call.args["num_tokens"],), "gather_cache_locs output")
-    else:
-        assert isinstance(out, tuple) and len(out) == 2, "accepted_kv_moves returns (src, dst)"
-        size = call.args["accept_index"].numel()
-        assert_index_output(out[0], device, (size,), "accepted_kv_moves src")
-        assert_index_output(out[1], device, (size,), "accepted_kv_moves dst")
+                                for op in ("assign_req_to_token", "store_kv", "move_kv")])
+def test_in_place_ops_return_none(backend, device, op):
+    """The ops that write in place return nothing."""
+    assert cases.minimal(op, device, backend).run(backend) is None, f"{op} must return None"
 
 
 @conformance(tier="contract", op="gather_cache_locs")
@@ -108,97 +166,49 @@ def test_gather_cache_locs_without_count(backend, device):
     assert_index_output(out, device, (n,), "gather_cache_locs output")
 
 
-# ---------------------------------------------------------------- strict mode: value checks
+# ---------------------------------------------------------------- the attention layout
 
-def _strict_only(backend):
-    if not backend.strict:
-        pytest.skip("value checks run only with strict=True")
-
-
-@conformance(tier="contract", op="store_kv")
-@pytest.mark.parametrize("where", ["past_end", "below_sentinel"])
-def test_strict_store_kv_out_of_range(backend, device, where):
-    _strict_only(backend)
-    call = cases.minimal("store_kv", device, backend)
-    locs = call.args["locs"].clone()
-    locs[0] = call.args["kv"].num_slots if where == "past_end" else -2
-    _rejects(backend, call.replace(locs=locs), "locs", f"loc {locs[0].item()}")
+def _layout(backend, call: cases.Call):
+    a = call.args
+    return backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                    a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
 
 
-@conformance(tier="contract", op="store_kv")
-def test_strict_store_kv_duplicate(backend, device):
-    _strict_only(backend)
-    call = cases.minimal("store_kv", device, backend)
-    locs = call.args["locs"].clone()
-    live = (locs != -1).nonzero().reshape(-1).tolist()
-    locs[live[1]] = locs[live[0]]
-    _rejects(backend, call.replace(locs=locs), "locs", "a repeated loc")
+@conformance(op="attention", tier="contract")
+@pytest.mark.parametrize("builder", ["reference", "other-instance"])
+def test_layout_of_another_backend_rejected(backend, reference, device, builder):
+    """A layout built by another backend instance is refused by name, even over the same tensors."""
+    call = cases.minimal("attention", device, backend)
+    other = reference if builder == "reference" else type(backend)(device=device, strict=backend.strict)
+    rejects(backend, call.replace(layout=_layout(other, call)), "layout", f"a layout built by {other!r}")
 
 
-@conformance(tier="contract", op="move_kv")
-@pytest.mark.parametrize("arg", ["src", "dst"])
-def test_strict_move_kv_out_of_range(backend, device, arg):
-    _strict_only(backend)
-    call = cases.minimal("move_kv", device, backend)
-    bad = call.args[arg].clone()
-    bad[0] = call.args["kv"].num_slots + 3
-    _rejects(backend, call.replace(**{arg: bad}), arg, f"{arg} past the last slot")
+@conformance(op="attention", tier="contract")
+@pytest.mark.parametrize("name", ["req_to_token", "req_pool_indices", "kv_lens", "q_lens", "tree_mask", "q"])
+def test_layout_over_other_tensors_rejected(backend, device, name):
+    """A layout is refused with tensors it was not built over (equal copies included), or with a
+    ``q`` of another row count."""
+    call = cases.minimal("attention", device, backend)
+    layout = _layout(backend, call)
+    value = call.args[name]
+    other = value[:-1].contiguous() if name == "q" else value.clone()
+    rejects(backend, call.replace(layout=layout, **{name: other}), "layout", f"a layout built over another {name}")
 
 
-@conformance(tier="contract", op="move_kv")
-def test_strict_move_kv_duplicate_dst(backend, device):
-    _strict_only(backend)
-    kv = cases.minimal("move_kv", device, backend).args["kv"]
-    call = cases.Call("move_kv", {"kv": kv, "src": cases.index([1, 2, 3], device),
-                                  "dst": cases.index([5, 6, 5], device)})
-    _rejects(backend, call, "dst", "two moves into one slot")
+@conformance(op="attention", tier="contract")
+def test_layout_must_be_a_layout(backend, device):
+    call = cases.minimal("attention", device, backend)
+    rejects(backend, call.replace(layout={"plan": None}), "layout", "a dict as the layout")
 
 
-@conformance(tier="contract", op="assign_req_to_token")
-def test_strict_assign_wrong_locs_count(backend, device):
-    _strict_only(backend)
-    call = cases.minimal("assign_req_to_token", device, backend)
-    _rejects(backend, call.replace(locs=call.args["locs"][:-1].contiguous()), "locs", "one loc short")
-
-
-@conformance(tier="contract")
-@pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op))
-                                for op in ("assign_req_to_token", "gather_cache_locs")])
-@pytest.mark.parametrize("arg", ["req_pool_indices", "end"])
-def test_strict_req_rows_out_of_range(backend, device, op, arg):
-    _strict_only(backend)
-    call = cases.minimal(op, device, backend)
-    bad = call.args[arg].clone()
-    R, M = call.args["req_to_token"].shape
-    bad[0] = R if arg == "req_pool_indices" else M + 1
-    _rejects(backend, call.replace(**{arg: bad}), arg, f"{arg} out of range")
-
-
-@conformance(tier="contract", op="gather_cache_locs")
-def test_strict_gather_wrong_count(backend, device):
-    _strict_only(backend)
-    call = cases.minimal("gather_cache_locs", device, backend)
-    with raises_contract("gather_cache_locs", "num_tokens"):
-        call.replace(num_tokens=call.args["num_tokens"] + 1).run(backend)
-
-
-@conformance(tier="contract", op="alloc_extend")
-def test_strict_alloc_extend_bad_lengths(backend, device):
-    _strict_only(backend)
-    call = cases.minimal("alloc_extend", device, backend)
-    with raises_contract("alloc_extend", "num_new_tokens"):
-        call.replace(num_new_tokens=call.args["num_new_tokens"] + 1).run(backend)
-    prefix = call.args["prefix_lens"].clone()
-    prefix[0] = call.args["seq_lens"][0] + 1
-    with raises_contract("alloc_extend", "seq_lens"):
-        call.replace(prefix_lens=prefix).run(backend)
-
-
-@conformance(tier="contract", op="accepted_kv_moves")
-def test_strict_accepted_kv_moves_bad_index(backend, device):
-    _strict_only(backend)
-    call = cases.minimal("accepted_kv_moves", device, backend)
-    bad = call.args["accept_index"].clone()
-    bad[0, 0] = bad.numel()
-    with raises_contract("accepted_kv_moves", "accept_index"):
-        call.replace(accept_index=bad).run(backend)
+@conformance(op="attention", tier="contract")
+def test_layout_serves_every_layer(backend, device):
+    """One layout passed to each layer's call gives the result of a call that builds its own."""
+    call = cases.minimal("attention", device, backend)
+    layout = _layout(backend, call)
+    before = snapshot(call.state())
+    for layer in range(call.args["kv"].num_layers):
+        shared = call.replace(layer=layer, layout=layout).run(backend)
+        own = call.replace(layer=layer).run(backend)
+        assert torch.equal(shared.cpu(), own.cpu()), f"layer {layer}: the shared layout changes the result"
+    assert_unchanged(before, call.state(), "attention", call.args["kv"].num_slots)

@@ -1,11 +1,16 @@
 """Engine tier: a tiny end-to-end decode through the backend equals the same decode through the
-reference backend, with and without n-gram speculation."""
+reference backend, with and without n-gram speculation: the same tokens, the same verify steps,
+and after every step the same K/V in every position a request has committed (so a compaction
+that moves the wrong rows is caught even where the tokens happen to survive it)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ngram_hal.engine import Engine, EngineConfig, LlamaConfig, LlamaModel, SamplingParams
+
+from .checks import host
 
 ENGINE_OPS = ["alloc_extend", "assign_req_to_token", "store_kv", "move_kv", "accepted_kv_moves",
               "reconstruct_tree", "verify_tree_greedy", "attention"]
@@ -13,23 +18,76 @@ TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_la
                    num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
 # Repetitive prompts, so that speculation drafts and accepts tokens.
 PROMPTS = [[5, 9, 14, 3] * 6, [7, 1, 2, 8, 4, 6, 11] * 3, list(range(40, 60))]
+NEW_TOKENS = 24
+# K/V of committed positions against the reference: (atol, rtol). Only attention's rounding
+# reaches the second layer's K/V; a row moved from the wrong slot is off by the rows' scale.
+KV_TOLERANCE = (1e-3, 1e-3)
 
 
-def _greedy(backend, spec_nodes: int) -> tuple[list[list[int]], int]:
-    model = LlamaModel.random(TINY, backend, seed=3)
-    engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128))
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24))
-    return [o.token_ids for o in outs], sum(o.verify_steps for o in outs)
+class Decode:
+    """A batched greedy decode stepped to the end: tokens and verify steps per request, and after
+    each step the host K/V ``[L, n, H, d]`` of the committed positions of every running request."""
+
+    def __init__(self, backend, spec_nodes: int):
+        model = LlamaModel.random(TINY, backend, seed=3)
+        engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128))
+        params = SamplingParams(max_new_tokens=NEW_TOKENS)
+        rids = [engine.add_request(p, params, rid=f"prompt{i}") for i, p in enumerate(PROMPTS)]
+        self.kv_steps: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        final = {}
+        while engine.has_unfinished():
+            final.update((o.rid, o) for o in engine.step() if o.finished)
+            backend.synchronize()
+            self.kv_steps.append(self._committed_kv(engine))
+        self.tokens = [final[r].token_ids for r in rids]
+        self.verify_steps = sum(final[r].verify_steps for r in rids)
+
+    @staticmethod
+    def _committed_kv(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for r in engine.sched.running:
+            slots = engine.sched.req_to_token[r.row, :r.seq_len]
+            out[r.rid] = (host(engine.kv.k.index_select(1, slots)), host(engine.kv.v.index_select(1, slots)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def reference_decode(reference):
+    """The reference backend's decode for a spec size, run once per module."""
+    runs: dict[int, Decode] = {}
+
+    def run(spec_nodes: int) -> Decode:
+        if spec_nodes not in runs:
+            runs[spec_nodes] = Decode(reference, spec_nodes)
+        return runs[spec_nodes]
+
+    return run
+
+
+def _assert_same_kv(got: Decode, want: Decode) -> None:
+    atol, rtol = KV_TOLERANCE
+    for step, (mine, ref) in enumerate(zip(got.kv_steps, want.kv_steps)):
+        assert sorted(mine) == sorted(ref), f"after step {step}: running requests {sorted(mine)} vs {sorted(ref)}"
+        for rid, pair in ref.items():
+            for name, a, b in zip("KV", mine[rid], pair):
+                assert a.shape == b.shape, f"after step {step}, {rid}: {name} of {a.shape[1]} positions vs {b.shape[1]}"
+                bad = ~torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol)
+                if bool(bad.any()):
+                    layer, pos = bad.nonzero()[0, :2].tolist()
+                    raise AssertionError(f"after step {step}, {rid}: {name} of layer {layer} at position {pos} "
+                                         f"differs from the reference ({int(bad.sum())} values off)")
 
 
 @pytest.mark.conformance(op=ENGINE_OPS, tier="engine")
 @pytest.mark.parametrize("spec_nodes", [1, 4], ids=["no-spec", "spec-4"])
-def test_greedy_decode_matches_reference(backend, reference, spec_nodes):
-    """Token ids of a batched greedy decode equal the reference backend's."""
-    got, got_steps = _greedy(backend, spec_nodes)
-    want, want_steps = _greedy(reference, spec_nodes)
-    assert all(len(t) == 24 for t in want)
+def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes):
+    """K/V after every step, token ids and verify steps of a batched greedy decode equal the
+    reference backend's."""
+    got, want = Decode(backend, spec_nodes), reference_decode(spec_nodes)
+    assert all(len(t) == NEW_TOKENS for t in want.tokens)
     if spec_nodes > 1:
-        assert want_steps < 3 * 24, "the workload must accept drafts for this test to cover speculation"
-    assert got == want, "greedy tokens differ from the reference backend"
-    assert got_steps == want_steps, "verify steps differ from the reference backend"
+        assert want.verify_steps < len(PROMPTS) * NEW_TOKENS, "the workload must accept drafts to cover speculation"
+    _assert_same_kv(got, want)
+    assert got.tokens == want.tokens, "greedy tokens differ from the reference backend"
+    assert got.verify_steps == want.verify_steps, "verify steps differ from the reference backend"
+    assert len(got.kv_steps) == len(want.kv_steps), "engine steps differ from the reference backend"

@@ -7,42 +7,25 @@ from . import alloc, attention, kv, tree, verify
 
 
 class CpuBackend(Backend):
-    """The reference backend. Vectorized torch, no per-token Python loops, no host syncs."""
+    """The reference backend. Vectorized torch, no per-token Python loops, no host syncs.
+
+    Each ``_<op>`` is the reference module's function of the same name, which takes the op's
+    validated arguments as they are; only attention adapts the layout object.
+    """
 
     name = "cpu"
     default_device = "cpu"
     proxy = False
 
-    def _alloc_extend(self, prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens):
-        return alloc.alloc_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens)
-
-    def _assign_req_to_token(self, req_to_token, req_pool_indices, start, end, locs):
-        alloc.assign_req_to_token(req_to_token, req_pool_indices, start, end, locs)
-
-    def _gather_cache_locs(self, req_to_token, req_pool_indices, start, end, num_tokens):
-        return alloc.gather_cache_locs(req_to_token, req_pool_indices, start, end, num_tokens)
-
-    def _store_kv(self, kv_cache, layer, locs, k, v):
-        kv.store_kv(kv_cache, layer, locs, k, v)
-
-    def _move_kv(self, kv_cache, src, dst):
-        kv.move_kv(kv_cache, src, dst)
-
-    def _accepted_kv_moves(self, out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens):
-        return kv.accepted_kv_moves(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
-
-    def _reconstruct_tree(self, tree_mask, seq_lens):
-        return tree.reconstruct_tree(tree_mask, seq_lens)
-
-    def _verify_tree_greedy(self, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
-                            target_predict):
-        return verify.verify_tree_greedy(candidates, retrieve_index, retrieve_next_token,
-                                         retrieve_next_sibling, target_predict)
-
-    def _verify_tree_sample(self, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
-                            target_probs, uniform_samples, uniform_final):
-        return verify.verify_tree_sample(candidates, retrieve_index, retrieve_next_token,
-                                         retrieve_next_sibling, target_probs, uniform_samples, uniform_final)
+    _alloc_extend = staticmethod(alloc.alloc_extend)
+    _assign_req_to_token = staticmethod(alloc.assign_req_to_token)
+    _gather_cache_locs = staticmethod(alloc.gather_cache_locs)
+    _store_kv = staticmethod(kv.store_kv)
+    _move_kv = staticmethod(kv.move_kv)
+    _accepted_kv_moves = staticmethod(kv.accepted_kv_moves)
+    _reconstruct_tree = staticmethod(tree.reconstruct_tree)
+    _verify_tree_greedy = staticmethod(verify.verify_tree_greedy)
+    _verify_tree_sample = staticmethod(verify.verify_tree_sample)
 
     def _attention_layout(self, layout):
         return attention.layout(layout.req_to_token, layout.req_pool_indices, layout.kv_lens, layout.q_lens,

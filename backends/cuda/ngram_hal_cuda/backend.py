@@ -1,7 +1,8 @@
 """``CudaBackend``: NVIDIA GPUs through a CUDA build of torch and the portable Triton kernels.
 
 Every op runs a kernel of :mod:`ngram_hal.kernels.triton` with 32-lane warp launch settings.
-The runtime (streams, events, pinned buffers, graph capture) goes through torch's CUDA API.
+The generic runtime (streams, events, pinned buffers, graph capture) reaches the GPU through
+``torch.cuda``.
 
 Proxy mode: with ``NGRAM_HAL_CUDA_PROXY=1``, ``TRITON_INTERPRET=1`` and no CUDA device, the same
 kernels run in Triton's interpreter on CPU tensors. Such a run checks the kernels' index math,
@@ -18,8 +19,6 @@ from ngram_hal.backend import Backend
 from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
 from ngram_hal.kernels.triton.ops import TritonOps
 from ngram_hal.proxy import ProxyFlag, requested
-
-from .runtime import CudaRuntime
 
 PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
 
@@ -45,7 +44,6 @@ class CudaBackend(TritonOps, Backend):
             # Interpreted on the CPU: split the keys of small batches too, so that the key-split and
             # merge kernels (the GPU's decode path) run in the proxy's checks.
             self.launch = replace(self.launch, attn_programs=64, attn_min_split=16)
-        self.runtime = CudaRuntime(self.device)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

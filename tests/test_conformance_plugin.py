@@ -1,10 +1,12 @@
-"""The conformance suite catches broken backends by name, passes the reference, and runs a
-third-party backend registered by entry point alone.
+"""The conformance plugin as a vendor meets it: the reference passes, an xfails file turns known
+failures into xfailed/xpassed, a partial backend's missing ops are skipped, ``--max-examples``
+reaches the property tests, an unknown backend is a usage error, the plugin loads with ``-p`` in
+a fresh interpreter, and a third-party backend registered by entry point alone runs.
 
 Runs go through ``pytest.main`` in this process (one, the plugin loaded with ``-p`` and autoload
-off, in a fresh interpreter) and assert on the JSON report. Broken backends live in
-``tests/broken_backends.py`` and are selected with ``--backend broken_backends:<Class>``; runs
-are narrowed with ``-k`` to the op at fault.
+off, in a fresh interpreter) and assert on the JSON report. Test doubles come from
+``tests/mutants.py`` (``--backend mutants:<Class>``); ``tests/test_mutants.py`` checks that the
+suite catches each planted fault.
 """
 
 from __future__ import annotations
@@ -18,42 +20,18 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from suite_runs import TESTS, failed, failures, outcomes, run_suite
 
 from ngram_hal.registry import get_backend, list_backends
 from ngram_hal_conformance.report import load_report
 
-TESTS = Path(__file__).resolve().parent
 TOY = TESTS / "thirdparty"
 MODES = ("strict-on", "strict-off")
-
-
-def run_suite(tmp_path: Path, monkeypatch, backend: str, *args: str,
-              modules: tuple[str, ...] = ("ngram_hal_conformance",)) -> tuple[int, dict | None]:
-    """Run the suite in this process, as ``pytest --pyargs MODULES --backend BACKEND ARGS`` from an
-    empty folder would; returns (exit code, JSON report or None)."""
-    report = tmp_path / f"report-{backend.replace(':', '-')}.json"
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.chdir(tmp_path)
-    rc = pytest.main(["--pyargs", *modules, "-q", "-p", "no:cacheprovider", "--backend", backend,
-                      "--max-examples", "5", "--report-json", str(report), *args])  # a later option wins
-    return int(rc), json.loads(report.read_text()) if report.exists() else None
-
-
-def outcomes(report: dict) -> dict[str, str]:
-    return {t["id"]: t["outcome"] for t in report["tests"]}
-
-
-def failed(report: dict) -> set[str]:
-    return {i for i, o in outcomes(report).items() if o in ("failed", "error")}
 
 
 def both_modes(test_id: str) -> set[str]:
     name, _, params = test_id.partition("[")
     return {f"{name}[{mode}-{params}" if params else f"{name}[{mode}]" for mode in MODES}
-
-
-def failures(report: dict) -> str:
-    return "\n".join(f"{t['id']}: {t['message']}" for t in report["tests"] if t["outcome"] in ("failed", "error"))
 
 
 OWN_MODULES = tuple(f"ngram_hal_conformance.test_{m}" for m in ("registration", "contract", "alloc", "kv"))
@@ -75,57 +53,32 @@ def test_reference_backend_passes(tmp_path, monkeypatch):
     assert report["capabilities"]["name"] == "cpu" and report["proxy"] is False
 
 
-def test_int32_alloc_output_is_caught(tmp_path, monkeypatch):
+def test_xfails_file_marks_known_failures(tmp_path, monkeypatch):
     xfails = tmp_path / "xfails.txt"
     xfails.write_text("# known: int32 slot ids\n"
                       "test_alloc.py::test_alloc_extend_matches   # every strict mode\n"
-                      "test_contract.py::test_index_outputs[strict-off-alloc_extend]\n"
-                      "test_registration.py::test_op_present[strict-on-alloc_extend]  # passes: xpassed\n")
-    rc, report = run_suite(tmp_path, monkeypatch, "broken_backends:Int32AllocBackend", "-k", "alloc_extend",
-                           "--xfails-file", str(xfails))
+                      "test_contract.py::test_outputs[strict-off-alloc_extend]\n"
+                      "test_registration.py::test_op_present[strict-off-alloc_extend]  # passes: xpassed\n")
+    rc, report = run_suite(tmp_path, monkeypatch, "mutants:AllocInt32Slots", "--xfails-file", str(xfails), "-k",
+                           "alloc_extend and (outputs or op_present or matches or partial_page_first)")
     assert rc == pytest.ExitCode.TESTS_FAILED
     got = outcomes(report)
     assert failed(report) == (both_modes("test_alloc.py::test_alloc_extend_fills_partial_page_first")
-                              | {"test_contract.py::test_index_outputs[strict-on-alloc_extend]"})
-    assert got["test_contract.py::test_index_outputs[strict-off-alloc_extend]"] == "xfailed"
+                              | {"test_contract.py::test_outputs[strict-on-alloc_extend]",
+                                 "test_registration.py::test_op_present[strict-on-alloc_extend]"})
+    assert got["test_contract.py::test_outputs[strict-off-alloc_extend]"] == "xfailed"
     assert all(got[i] == "xfailed" for i in both_modes("test_alloc.py::test_alloc_extend_matches"))
+    # Strict mode checks outputs at run time: the ContractError names the op and the output.
     message = next(t["message"] for t in report["tests"]
-                   if t["id"] == "test_contract.py::test_index_outputs[strict-on-alloc_extend]")
-    assert "torch.int32" in message and "int64" in message
-    assert got["test_registration.py::test_op_present[strict-on-alloc_extend]"] == "xpassed"
+                   if t["id"] == "test_registration.py::test_op_present[strict-on-alloc_extend]")
+    assert "alloc_extend: output 'slots'" in message and "torch.int32" in message
+    assert got["test_registration.py::test_op_present[strict-off-alloc_extend]"] == "xpassed"
     assert report["summary"]["xfailed"] == 3 and report["summary"]["xpassed"] == 1
-    assert load_report(tmp_path / "report-broken_backends-Int32AllocBackend.json").summary.failed == 3
-
-
-def test_sequential_move_is_caught(tmp_path, monkeypatch):
-    # The property test test_move_kv_matches fails too; it is left out here because hypothesis
-    # then spends most of the run shrinking the failing example.
-    rc, report = run_suite(tmp_path, monkeypatch, "broken_backends:SequentialMoveBackend", "--strict-mode", "off",
-                           "-k", "move_kv_overlapping_sets")
-    assert rc == pytest.ExitCode.TESTS_FAILED
-    expected = {f"test_kv.py::test_move_kv_overlapping_sets[strict-off-{name}]"
-                for name in ("swap", "cycle3", "chain_forward")}
-    assert failed(report) == expected
-    assert outcomes(report)["test_kv.py::test_move_kv_overlapping_sets[strict-off-chain_backward]"] == "passed"
-    assert all(t["op"] == "move_kv" and t["tier"] == "semantics" for t in report["tests"] if t["id"] in expected)
-
-
-def test_dropped_op_with_stale_capabilities_is_caught(tmp_path, monkeypatch):
-    rc, report = run_suite(tmp_path, monkeypatch, "broken_backends:DroppedMoveBackend", "-k", "test_op_present")
-    assert rc == pytest.ExitCode.TESTS_FAILED
-    assert failed(report) == both_modes("test_registration.py::test_op_present[move_kv]")
-    entry = next(t for t in report["tests"] if t["id"] == "test_registration.py::test_op_present[strict-on-move_kv]")
-    assert entry["tier"] == "registration" and "NotImplementedError" in entry["message"]
-
-
-def test_silent_int32_cast_is_caught(tmp_path, monkeypatch):
-    rc, report = run_suite(tmp_path, monkeypatch, "broken_backends:CastingStoreBackend", "-k", "store_kv")
-    assert rc == pytest.ExitCode.TESTS_FAILED
-    assert failed(report) == both_modes("test_contract.py::test_index_dtype_rejected[store_kv-locs-int32]")
+    assert load_report(tmp_path / "report-mutants-AllocInt32Slots.json").summary.failed == 4
 
 
 def test_honest_partial_backend_is_skipped_not_failed(tmp_path, monkeypatch):
-    rc, report = run_suite(tmp_path, monkeypatch, "broken_backends:PartialBackend", "-k", "move_kv",
+    rc, report = run_suite(tmp_path, monkeypatch, "mutants:HonestPartialBackend", "-k", "move_kv",
                            "--strict-mode", "off")
     assert rc == pytest.ExitCode.OK, failures(report)
     assert outcomes(report)["test_registration.py::test_op_present[strict-off-move_kv]"] == "passed"
@@ -197,7 +150,7 @@ def test_thirdparty_backend_by_entry_point(tmp_path, monkeypatch):
     assert report["target"] == "ngram_hal_toy:ToyBackend"
     got = outcomes(report)
     assert got["test_kv.py::test_move_kv_matches[strict-off]"] == "passed"
-    assert got["test_contract.py::test_index_dtype_rejected[strict-off-store_kv-locs-int32]"] == "passed"
+    assert got["test_contract.py::test_dtype_rejected[strict-off-store_kv-locs-int32]"] == "passed"
     assert got["test_registration.py::test_op_present[strict-off-alloc_extend]"] == "passed"
     assert got["test_alloc.py::test_alloc_extend_matches[strict-off]"] == "skipped"
     reasons = {t["message"] for t in report["tests"] if t["outcome"] == "skipped" and t["op"] == "attention"}

@@ -19,6 +19,10 @@ ACCELERATE_VERSION := 1.15.0
 PACKAGES := -e ".[test,triton,compare]" -e conformance -e backends/cuda -e backends/rocm -e backends/npu
 PYPROJECTS := pyproject.toml conformance/pyproject.toml $(wildcard backends/*/pyproject.toml)
 PYTEST_WORKERS ?= 2
+# make run: the bundled prompts at their own budgets (up to 256 new tokens), about 2 minutes on 2
+# cores the first time; make run RUN_MAX_NEW_TOKENS=64: at most 64 new tokens per prompt.
+RUN_MAX_NEW_TOKENS ?=
+RUN_BUDGET := $(if $(RUN_MAX_NEW_TOKENS),--max-new-tokens $(RUN_MAX_NEW_TOKENS))
 
 .PHONY: run conformance matrix test test-unit test-conformance venv clean
 
@@ -33,8 +37,10 @@ $(STAMP): $(PYPROJECTS)
 	touch $@
 
 run: $(STAMP)
+	@echo "make run: the bundled prompts, speculative and plain decoding taking turns;" \
+		"about 2 minutes on 2 cores the first time (numba compiles its kernels), 1-1.5 minutes after"
 	$(NGRAM_HAL) backends
-	$(NGRAM_HAL) run --compare --json $(REPORTS)/run.json
+	$(NGRAM_HAL) run --compare --json $(REPORTS)/run.json $(RUN_BUDGET)
 
 conformance: $(STAMP)
 	status=0; \

@@ -220,3 +220,26 @@ def test_tree_and_verify_never_read_device_data():
                                         torch.empty(B, D, device=meta), torch.empty(B, device=meta))
     assert out[1].shape == (B, D)
     assert ref_verify.verify_tree_greedy(idx, idx, idx, idx, idx)[2].shape == (B,)
+
+
+@SETTINGS
+@given(st.data())
+def test_int64_extremes_neither_overflow_into_a_crash_nor_write_out_of_place(data):
+    """Lengths and indices near the int64 limits, where sums and products wrap around."""
+    extreme = st.sampled_from([-(2**63), -(2**62), -1, 0, 1, 5, 2**62, 2**63 - 1])
+    B, N = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6))
+
+    def draw(n):
+        return t(data.draw(st.lists(extreme, min_size=n, max_size=n)))
+
+    table = t([[10 * r + c for c in range(4)] for r in range(2)])
+    before = table.clone()
+    backend = CpuBackend()
+    assert backend.alloc_extend(draw(B), draw(B), draw(B), t([0, 1]), 1, N).shape == (N,)
+    backend.assign_req_to_token(table, draw(B), draw(B), draw(B), t(list(range(100, 100 + N))))
+    changed = (table != before).view(-1).nonzero().view(-1).tolist()
+    assert all(100 <= int(table.view(-1)[i]) < 100 + N for i in changed)
+    assert backend.gather_cache_locs(table, draw(B), draw(B), draw(B), N).shape == (N,)
+    kv = filled_cache()
+    out = backend.attention(torch.randn(N, 2, 2), kv, 0, table, draw(B), draw(B), draw(B), 0.5, max_kv_len=4)
+    assert out.shape == (N, 2, 2)

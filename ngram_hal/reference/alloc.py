@@ -24,10 +24,15 @@ def _cells(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, start: to
     which of them lie inside the table (elsewhere the index is 0)."""
     R, M = req_to_token.shape
     flat = flatten(end - start, total)
-    row = flat.per_run(req_pool_indices, fill=SENTINEL)
-    col = flat.per_run(start) + flat.offset
-    ok = flat.inside & within(row, R) & within(col, M)
-    return torch.where(ok, row * M + col, 0), ok
+    # Item i of run b is cell (r_b * M + start_b - first_b) + i. Its column lies in [0, M) for
+    # first_b - start_b <= i < first_b - start_b + M; no item is inside a row out of range, nor
+    # an item of no run (the fill gives it the empty range [0, 0)).
+    lo = flat.first[:-1] - start
+    row_ok = within(req_pool_indices, R)
+    per_run = torch.stack([req_pool_indices * M - lo, torch.where(row_ok, lo, total), torch.where(row_ok, lo + M, 0)], 1)
+    base, low, high = flat.per_run(per_run).unbind(1)
+    ok = (flat.index >= low) & (flat.index < high)
+    return torch.where(ok, base + flat.index, 0), ok
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -80,8 +85,9 @@ def assign_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     cells, ok = _cells(req_to_token, req_pool_indices, start, end, N)
     table = req_to_token.view(-1)
     first = ok.to(torch.uint8).argmax().view(1)
-    spare_cell = torch.where(ok.any(), cells.index_select(0, first), 0)
-    spare_value = torch.where(ok.any(), locs.index_select(0, first), table[:1])
+    some = ok.index_select(0, first)  # argmax gives 0 when no item is kept
+    spare_cell = torch.where(some, cells.index_select(0, first), 0)
+    spare_value = torch.where(some, locs.index_select(0, first), table[:1])
     table.index_copy_(0, torch.where(ok, cells, spare_cell), torch.where(ok, locs, spare_value))
 
 

@@ -20,31 +20,40 @@ class Flat:
     """``total`` items of ``B`` runs.
 
     ``run``: int64[total], the run each item belongs to, ``B`` for an item of no run.
-    ``offset``: int64[total], the item's index inside its run.
-    ``inside``: bool[total], ``run < B``.
+    ``index``: int64[total], ``0 .. total-1``.
+    ``first``: int64[B+1], the index of each run's first item (the extra run's last).
     ``lengths``: int64[B], each run's length after the cut (``>= 0``, summing to at most ``total``).
     """
 
     run: torch.Tensor
-    offset: torch.Tensor
-    inside: torch.Tensor
+    index: torch.Tensor
+    first: torch.Tensor
     lengths: torch.Tensor
 
+    @property
+    def inside(self) -> torch.Tensor:
+        """bool[total]: the item belongs to one of the ``B`` runs."""
+        return self.run < self.lengths.shape[0]
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """int64[total]: the item's index inside its run."""
+        return self.index - self.first.index_select(0, self.run)
+
     def per_run(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
-        """``values[run[i]]`` for every item (``values``: [B]), ``fill`` for items of no run."""
-        padded = torch.cat([values, values.new_full((1,), fill)])
+        """``values[run[i]]`` for every item (``values``: [B, ...]), ``fill`` for items of no run."""
+        padded = torch.cat([values, values.new_full((1, *values.shape[1:]), fill)])
         return padded.index_select(0, self.run)
 
 
 def flatten(lengths: torch.Tensor, total: int) -> Flat:
     """Flatten runs of ``lengths`` (int64[B], any values) into ``total`` items, in run order."""
     B, dev = lengths.shape[0], lengths.device
-    ends = torch.cumsum(lengths.clamp(min=0), 0).clamp(max=total)
+    ends = torch.cumsum(lengths.clamp(0, total), 0).clamp(max=total)
     bounds = torch.cat([ends.new_zeros(1), ends, ends.new_full((1,), total)])
     sizes = bounds[1:] - bounds[:-1]
     run = torch.repeat_interleave(torch.arange(B + 1, dtype=torch.int64, device=dev), sizes, output_size=total)
-    offset = torch.arange(total, dtype=torch.int64, device=dev) - bounds[:-1].index_select(0, run)
-    return Flat(run, offset, run < B, sizes[:B])
+    return Flat(run, torch.arange(total, dtype=torch.int64, device=dev), bounds[:-1], sizes[:B])
 
 
 def within(values: torch.Tensor, high: int) -> torch.Tensor:

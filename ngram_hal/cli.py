@@ -4,6 +4,10 @@
 ``ngram-hal conformance``  run the conformance suite on one backend (JUnit + JSON report)
 ``ngram-hal matrix``       merge conformance JSON reports into one backend x test matrix
 ``ngram-hal run|bench``    the engine's commands, registered when ``ngram_hal.engine.commands`` exists
+
+Every command reports a bad option, input file or environment the same way: ``error: ...`` on
+one line naming what was wrong and what is allowed, a non-zero exit code (2 for a bad option or
+input, 1 otherwise) and no traceback; ``--debug`` or ``NGRAM_HAL_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -25,11 +29,29 @@ from rich.text import Text
 
 from . import matrix
 from .backend import OPS
+from .options import POSITIVE_INT
 from .registry import list_backends
 
 CONFORMANCE_PACKAGE = "ngram_hal_conformance"
 CONFORMANCE_PLUGIN = "ngram_hal_conformance.plugin"
 ENGINE_COMMANDS = "ngram_hal.engine.commands"
+DEBUG_ENV = "NGRAM_HAL_DEBUG"
+
+
+class CommandError(Exception):
+    """What a command reports as ``error: <message>``, exiting with ``code`` (2: a bad option or
+    input file; 1: anything else). The message names the option or file and what is allowed."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse in the command's one error style: ``error: ...`` on one line, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def _yes_no(flag: bool | None) -> Text:
@@ -39,22 +61,23 @@ def _yes_no(flag: bool | None) -> Text:
 
 
 def backends_command(args: argparse.Namespace) -> int:
-    """List every registered backend: package, version, availability, reason, proxy, ops."""
+    """List every registered backend: package, version, availability, proxy, ops, and why not."""
     infos = list_backends()
     if args.json:
         print(json.dumps([info.model_dump() for info in infos], indent=2))
         return 0
     table = Table(title="ngram-hal backends")
-    for column in ("name", "package", "version", "available"):
+    for column in ("name", "package", "version", "available", "proxy", "ops"):
         table.add_column(column, no_wrap=True)
-    table.add_column("reason", overflow="fold", ratio=1)
-    table.add_column("proxy", no_wrap=True)
-    table.add_column("ops", no_wrap=True)
     for info in infos:
         table.add_row(info.name, info.package or "?", info.version or "?", _yes_no(info.available),
-                      Text(info.reason), "-" if info.proxy is None else ("yes" if info.proxy else "no"),
-                      f"{len(info.ops)}/{len(OPS)}")
-    Console().print(table)
+                      "-" if info.proxy is None else ("yes" if info.proxy else "no"), f"{len(info.ops)}/{len(OPS)}")
+    console = Console()
+    console.print(table)
+    # Reasons are sentences: printed under the table, each wraps at the terminal's width.
+    for info in infos:
+        if info.reason:
+            console.print(Text.assemble((f"{info.name}: ", "bold"), info.reason))
     return 0
 
 
@@ -77,11 +100,30 @@ def _conformance_summary(report: matrix.Report, console: Console) -> None:
             console.print(Text(f"{t.outcome.upper()} {t.id}: {matrix.first_line(t.message)}", style="red"))
 
 
+def _check_conformance_target(args: argparse.Namespace) -> None:
+    """The checks the suite's plugin makes, made first, so that a bad ``--backend``, ``--device`` or
+    ``--xfails`` is one line instead of an empty run."""
+    from ngram_hal_conformance.target import resolve
+
+    try:
+        target = resolve(args.backend)
+    except (LookupError, RuntimeError) as exc:
+        raise CommandError(f"--backend {args.backend}: {exc}") from exc
+    if args.device:
+        try:
+            target.cls(device=args.device, strict=False)
+        except Exception as exc:  # any failure to create the backend there
+            raise CommandError(f"--device {args.device}: cannot create backend '{args.backend}' there: "
+                               f"{type(exc).__name__}: {error_line(exc)}") from exc
+    if args.xfails and not Path(args.xfails).is_file():
+        raise CommandError(f"--xfails {args.xfails}: no such file")
+
+
 def conformance_command(args: argparse.Namespace) -> int:
     """Run the conformance suite on ``--backend`` through pytest; returns pytest's exit code."""
     if importlib.util.find_spec(CONFORMANCE_PACKAGE) is None:
-        print("error: the conformance suite is not installed: pip install -e conformance", file=sys.stderr)
-        return 4
+        raise CommandError("the conformance suite is not installed: pip install -e conformance", code=4)
+    _check_conformance_target(args)
     import pytest
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,9 +147,14 @@ def conformance_command(args: argparse.Namespace) -> int:
             argv += ["-k", args.k]
         code = int(pytest.main(argv))
         try:
-            _conformance_summary(matrix.load_report(report_path), Console())
+            report = matrix.load_report(report_path)
         except ValueError as exc:
             print(f"error: no usable conformance report (pytest exit code {code}): {exc}", file=sys.stderr)
+            return code or 1
+        if report.tests:
+            _conformance_summary(report, Console())
+        else:
+            print(f"error: no conformance test ran (pytest exit code {code})", file=sys.stderr)
     return code
 
 
@@ -116,8 +163,7 @@ def matrix_command(args: argparse.Namespace) -> int:
     try:
         merged = matrix.merge_files(args.reports)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from exc
     console = Console(stderr=True)
     outputs = ((args.markdown, matrix.to_markdown), (args.html, matrix.to_html))
     for path, render in outputs:
@@ -145,17 +191,31 @@ def _engine_commands() -> ModuleType | None:
     return None if spec is None else importlib.import_module(ENGINE_COMMANDS)
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a KeyError's without its quotes)."""
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return matrix.first_line(text) or type(exc).__name__
+
+
+def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ngram-hal`` parser; each subcommand sets ``func(args) -> int``."""
-    parser = argparse.ArgumentParser(
-        prog="ngram-hal", description="N-gram speculative decoding on any accelerator, through one HAL.")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=f"show the traceback of an error (also {DEBUG_ENV}=1)")
+    parser = Parser(prog="ngram-hal", parents=[debug],
+                    description="N-gram speculative decoding on any accelerator, through one HAL.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("backends", help="list registered backends and whether they can run here")
+    p = sub.add_parser("backends", parents=[debug], help="list registered backends and whether they can run here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=backends_command)
 
-    p = sub.add_parser("conformance", help="run the conformance suite on one backend")
+    p = sub.add_parser("conformance", parents=[debug], help="run the conformance suite on one backend")
     p.add_argument("--backend", required=True, help="registered backend name (see `ngram-hal backends`)")
     p.add_argument("--device", help="torch device to create the backend on (default: the backend's default)")
     p.add_argument("--xfails", metavar="FILE", help="expected failures: one test id a line, '#' comments")
@@ -163,11 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the JSON report (schema ngram-hal-conformance/1)")
     p.add_argument("--strict-mode", choices=("both", "on", "off"), default="both",
                    help="test strict=True instances, strict=False ones, or both (default)")
-    p.add_argument("--max-examples", type=int, metavar="N", help="hypothesis examples per property test")
+    p.add_argument("--max-examples", type=POSITIVE_INT, metavar="N", help="hypothesis examples per property test")
     p.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
     p.set_defaults(func=conformance_command)
 
-    p = sub.add_parser("matrix", help="merge conformance JSON reports into one backend x test matrix")
+    p = sub.add_parser("matrix", parents=[debug], help="merge conformance JSON reports into one backend x test matrix")
     p.add_argument("reports", nargs="+", metavar="REPORT.json")
     p.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
     p.add_argument("--html", metavar="PATH", help="write the matrix as a self-contained HTML page")
@@ -175,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = _engine_commands()
     if engine is not None:
-        p = sub.add_parser("run", help="generate text with the engine")
+        p = sub.add_parser("run", parents=[debug], help="generate text with the engine")
         engine.add_run_arguments(p)
         p.set_defaults(func=engine.run_command)
-        p = sub.add_parser("bench", help="benchmark the engine")
+        p = sub.add_parser("bench", parents=[debug], help="benchmark the engine")
         engine.add_bench_arguments(p)
         p.set_defaults(func=engine.bench_command)
     return parser
@@ -187,7 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ngram-hal`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    debug = getattr(args, "debug", False) or env_flag(DEBUG_ENV)
+    try:
+        return int(args.func(args))
+    except CommandError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # anything unforeseen still gets one line; --debug shows where
+        if debug:
+            raise
+        print(f"error: {type(exc).__name__}: {error_line(exc)} (--debug or {DEBUG_ENV}=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -368,6 +368,60 @@ def test_bad_requests_raise_and_change_nothing(model):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("bad", [
+    {"prompt": None}, {"prompt": 7}, {"prompt": [1, 2.5]}, {"params": {"temperature": 0.5}},
+    {"params": "greedy"}, {"params": SamplingParams(stop_token_ids=(VOCAB,))}],
+    ids=["none-prompt", "int-prompt", "float-token", "dict-params", "str-params", "stop-id-outside"])
+def test_any_bad_argument_is_a_value_error_and_admits_nothing(model, bad):
+    engine = make(model, spec_nodes=4)
+    seeds = engine._seeds.get_state()
+    request = {"prompt": [1, 2], "params": None, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        engine.add_request(request["prompt"], request["params"])
+    with pytest.raises(ValueError, match="rid: expected a string"):
+        engine.add_request([1, 2], rid=12)
+    # In a batch, the good requests before and after the bad one are not admitted either.
+    good = SamplingParams(temperature=0.7, max_new_tokens=4)
+    prompts = [[1, 2], request["prompt"], [3, 4]]
+    params = [good, request["params"], good]
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate(prompts, params)
+    assert not engine.has_unfinished() and not engine.sched.waiting and not engine._requests
+    assert torch.equal(engine._seeds.get_state(), seeds)
+    assert_all_free(engine)
+
+
+def test_bad_prompt_lists_and_params_lists_raise(model):
+    engine = make(model)
+    with pytest.raises(ValueError, match="prompts: expected a list"):
+        engine.generate("one text, not a list of prompts")
+    with pytest.raises(ValueError, match="params: 1 given for 2"):
+        engine.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="params: expected"):
+        engine.generate([[1]], {"max_new_tokens": 3})
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])
+def test_tiny_temperatures_decode_greedily(model, prompts, reference, temperature):
+    engine = make(model, spec_nodes=4)
+    outs = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=48))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+def test_sampling_params_reject_non_finite_and_negative_values():
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": -1.0},
+                {"top_p": float("nan")}, {"stop_token_ids": (-1,)}, {"max_new_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_engine_config_needs_room_for_the_draft_trees():
+    with pytest.raises(ValueError, match="spec_nodes 100000 leaves no room in max_context_len 2048.*at most 682"):
+        EngineConfig(spec_nodes=100000)
+    assert EngineConfig(spec_nodes=682).spec_nodes == 682
+
+
 def test_strict_backend_runs_the_loop(prompts, reference):
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)

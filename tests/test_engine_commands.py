@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from ngram_hal.cli import main
+from ngram_hal.engine.commands import busy_note, choose_threads, summary_line
 from ngram_hal.engine.gguf_loader import find_model_file
-from ngram_hal.engine.workload import bundled_prompts, load_prompts
+from ngram_hal.engine.workload import (PromptSpec, RequestRecord, RunResult, RunTotals, bundled_prompts,
+                                       cap_new_tokens, load_prompts)
+
+from test_cli_errors import run_cli
 
 try:
     find_model_file()
@@ -28,25 +33,79 @@ def test_bundled_prompts_are_valid():
 def test_load_prompts_reports_the_bad_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"max_new_tokens": 3}\n')
-    with pytest.raises(ValueError, match="p.jsonl:2"):
+    with pytest.raises(ValueError, match=r"p.jsonl line 2: messages: field required"):
+        load_prompts(path)
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 0}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl line 1: max_new_tokens: input should be greater than or equal to 1"):
         load_prompts(path)
 
 
-def test_run_and_bench_commands(tmp_path, capsys):
+def test_max_new_tokens_caps_every_prompt():
+    specs = [PromptSpec(messages=[{"role": "user", "content": "a"}], max_new_tokens=n) for n in (256, 40, None)]
+    assert [s.max_new_tokens for s in cap_new_tokens(specs, 64)] == [64, 40, 64]
+
+
+def test_threads_follow_the_load_average():
+    assert choose_threads(None, 2, 2, 0.2) == (2, None)
+    n, note = choose_threads(None, 2, 2, 3.4)
+    assert n == 1 and "load average at 3.4 on 2 cores" in note and "--threads 2" in note
+    assert choose_threads(None, 16, 16, 4.0)[0] == 12
+    assert choose_threads(2, 2, 2, 9.0) == (2, None)
+    assert busy_note(1.9, 2) is None
+    assert busy_note(2.5, 2) == "note: busy machine (load average 2.5 on 2 cores): timings are unreliable"
+
+
+def result(tokens: list[list[int]], wall: float, steps: int) -> RunResult:
+    records = [RequestRecord(id=f"r{i}", kind="copy", prompt_tokens=5, text="", token_ids=ids, verify_steps=steps,
+                             finish_reason="length", error=None) for i, ids in enumerate(tokens)]
+    out = sum(len(ids) for ids in tokens)
+    verified = sum(len(ids) - 1 for ids in tokens)
+    totals = RunTotals(requests=len(tokens), output_tokens=out, verify_steps=steps * len(tokens),
+                       tokens_per_verify_step=verified / (steps * len(tokens)), wall_s=wall, tokens_per_s=out / wall,
+                       prefill_steps=1, decode_steps=steps, ms_per_decode_step=1e3 * wall / steps, launch_s=0.0,
+                       wait_s=0.0, hidden_host_s=0.0, critical_host_s=0.0)
+    return RunResult(config={}, requests=records, totals=totals)
+
+
+def test_summary_line_names_the_requests_that_differ():
+    spec = result([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], wall=1.0, steps=2)
+    plain = result([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], wall=2.0, steps=4)
+    same = [a.token_ids == b.token_ids for a, b in zip(spec.requests, plain.requests)]
+    assert summary_line(spec, plain, same, greedy=True) == (
+        "speedup 2.00x (10.0 vs 5.0 tok/s), 2.00 tok/verify step, identical tokens: 1/2 (differ: r1)")
+    assert summary_line(spec, plain, same, greedy=False).endswith("(differ: r1; expected when sampling)")
+    assert summary_line(spec, None, None, greedy=True) == "10 tokens in 1.0 s (10.0 tok/s), 2.00 tok/verify step"
+
+
+def test_run_compare_as_a_user_runs_it(tmp_path):
     out = tmp_path / "run.json"
-    code = main(["run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "6", "--compare",
-                 "--threads", "1", "--num-slots", "512", "--json", str(out)])
-    assert code == 0
+    done = run_cli("run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "6", "--compare",
+                   "--threads", "1", "--num-slots", "512", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # What it is doing, on stderr: the load, the kernels, one labelled bar per run that ends full.
+    assert re.search(r"loaded \S+\.gguf in [\d.]+ s \(cpu backend on cpu, float32, 1 thread\)", done.stderr)
+    assert "kernels ready in" in done.stderr
+    bars = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"(speculative|plain) +━+ (\d+)/(\d+) tokens",
+                                                                       done.stderr)}
+    assert set(bars) == {"speculative", "plain"} and all(a == b for a, b in bars.values())
+    # The answer, on stdout, as its last line (or the one before a busy-machine note), in 80 columns.
+    lines = done.stdout.splitlines()
+    if lines[-1].startswith("note: busy machine"):
+        lines.pop()
+    assert re.fullmatch(r"speedup \d+\.\d\dx \([\d.]+ vs [\d.]+ tok/s\), [\d.]+ tok/verify step, "
+                        r"identical tokens: 1/1", lines[-1])
+    assert all(len(line) <= 80 for line in lines) and "…" not in done.stdout
     report = json.loads(out.read_text())
     req = report["run"]["requests"][0]
     assert len(req["token_ids"]) == 6 or req["finish_reason"] == "stop"
     assert req["verify_steps"] >= 1 and isinstance(req["text"], str)
     assert report["same_tokens"] == [True]
     assert report["run"]["totals"]["output_tokens"] == len(req["token_ids"])
-    assert report["setup"]["backend"] == "cpu" and report["peak_rss_bytes"] > 0
-    printed = capsys.readouterr().out
-    assert "summary" in printed and "tok/s" in printed
+    assert report["setup"]["backend"] == "cpu" and report["setup"]["threads"] == 1 and report["peak_rss_bytes"] > 0
 
+
+def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     bench = tmp_path / "bench.json"
     prompts = tmp_path / "one.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Count: 1 2 3 4"}]}) + "\n")
@@ -58,3 +117,6 @@ def test_run_and_bench_commands(tmp_path, capsys):
                                        ("spec-auto", True))}
     assert all(r["same_tokens_as_plain"] for r in data["runs"])
     assert data["kv_cache_bytes"]["2"] > 0 and data["peak_rss_bytes"] > 0
+    printed = capsys.readouterr().out
+    assert "spec-auto" in printed and "overlap" in printed
+    assert all(len(line) <= 80 for line in printed.splitlines()) and "…" not in printed

@@ -180,6 +180,38 @@ def test_strict_free_rejects_never_allocated_and_bad_slots():
     assert alloc.available() == 4
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_default_free_refuses_what_it_does_not_own(page_size):
+    """Default mode drops pages it does not own instead of corrupting the free list."""
+    ps = page_size
+    alloc = SlotAllocator(CpuBackend(), 6 * ps, ps)
+    a, b = alloc.alloc(2 * ps), alloc.alloc(ps)
+    state = free_list(alloc)
+    # The sentinel, out of range, never handed out, and (pages of more than one slot) not at a page start.
+    bad = [t([-1]), t([6 * ps]), t([-(2**40)]), t([5 * ps])] + ([t([int(b[0]) + 1] * ps)] if ps > 1 else [])
+    for locs in bad:
+        alloc.free(locs)
+    assert free_list(alloc) == state and alloc.available() == 3 * ps
+    alloc.free(torch.cat([b, b]))  # the page given twice in one call comes back once
+    alloc.free(b)  # and a later double free is refused
+    assert free_list(alloc) == state + [int(b[0]) // ps] and alloc.available() == 4 * ps
+    # Everything free is handed out exactly once: four pages, then nothing.
+    rest = alloc.alloc(4 * ps)
+    pages = {loc // ps for loc in rest.tolist()}
+    assert len(pages) == 4 and pages.isdisjoint({loc // ps for loc in a.tolist()})
+    with pytest.raises(OutOfSlotsError):
+        alloc.alloc(1)
+
+
+def test_default_free_keeps_the_oldest_pages_first():
+    """Pages given back wait beside the free list and join it, in order, when an allocation needs them."""
+    alloc = SlotAllocator(CpuBackend(), 4)
+    alloc.free(alloc.alloc(3))
+    assert alloc.available() == 4
+    assert alloc.alloc(2).tolist() == [3, 0]
+    assert alloc.alloc(2).tolist() == [1, 2]
+
+
 def test_allocator_rejects_bad_sizes():
     with pytest.raises(ContractError, match="'page_size'"):
         SlotAllocator(CpuBackend(), 16, page_size=0)

@@ -1,24 +1,37 @@
-"""``ngram-hal run`` and ``ngram-hal bench``: the engine from the command line."""
+"""``ngram-hal run`` and ``ngram-hal bench``: the engine from the command line.
+
+Everything a user can get wrong is checked before the model loads: option values when the
+arguments are parsed (their constraints come from :class:`SamplingParams` and
+:class:`EngineConfig`), then the prompts file, the model file and the backend. Results go to
+stdout; what the command is doing (model load, kernel compilation, one progress bar per run)
+goes to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..backend import OPS
-from ..registry import get_backend
+from ..cli import CommandError, error_line
+from ..options import POSITIVE_INT, field_type
+from ..registry import ENV_BACKEND, backend_class, get_backend
+from .engine import EngineConfig
+from .gguf_loader import find_model_file
 from .request import SamplingParams
-from .workload import PromptSpec, RunResult, load_prompts, run_prompts
+from .workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILE_NOTE = "one-time: 20-40 s on a first run, then loaded from numba's cache in __pycache__"
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -30,63 +43,183 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
                              "(default: the bundled prompts)")
-    parser.add_argument("--spec-nodes", type=int, default=8, metavar="D", help="draft-tree nodes per step (default 8)")
+    parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=8, metavar="D",
+                        help="draft-tree nodes per step (default 8)")
     parser.add_argument("--drafter", choices=("trie", "linear"), default="trie", help="n-gram drafter (default trie)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="output budget per request (default 128)")
-    parser.add_argument("--num-slots", type=int, default=16384, help="KV-cache slots (default 16384)")
-    parser.add_argument("--max-context-len", type=int, default=2048, help="positions per request (default 2048)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=16384,
+                        help="KV-cache slots (default 16384)")
+    parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
+                        help="positions per request (default 2048)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=None,
+                        help="CPU threads (default: every core, fewer when the load average shows other work)")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``ngram-hal run``."""
     _add_common(parser)
+    parser.add_argument("--max-new-tokens", type=field_type(SamplingParams, "max_new_tokens"), default=None,
+                        metavar="N", help="at most N new tokens per request (default: each prompt line's "
+                                          "own budget, 128 for a line without one)")
     parser.add_argument("--prompt", metavar="TEXT", default=None, help="one user message to answer")
     parser.add_argument("--no-spec", action="store_true", help="decode without speculation")
     parser.add_argument("--spec-policy", choices=("always", "auto"), default="auto",
                         help="auto (default): each step uses 1, 2, 4, ... or D nodes, whichever is measured "
                              "fastest; always: D nodes")
     parser.add_argument("--no-overlap", action="store_true", help="process each step before launching the next")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16, help="most requests decoding at once (default 16)")
+    parser.add_argument("--temperature", type=field_type(SamplingParams, "temperature"), default=0.0,
+                        help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=field_type(SamplingParams, "top_p"), default=1.0)
+    parser.add_argument("--top-k", type=field_type(SamplingParams, "top_k"), default=0)
+    parser.add_argument("--seed", type=field_type(SamplingParams, "seed"), default=0)
+    parser.add_argument("--batch-size", type=field_type(EngineConfig, "max_running"), default=16,
+                        help="most requests decoding at once (default 16)")
     parser.add_argument("--compare", action="store_true",
-                        help="also run without speculation and report the speedup")
+                        help="also decode without speculation, the two runs taking turns, and report the speedup")
     parser.add_argument("--json", metavar="PATH", default=None, help="write requests and totals as JSON")
     parser.add_argument("--quiet", action="store_true", help="print only the summary, not the texts")
+
+
+def _batch_sizes(text: str) -> list[int]:
+    return [POSITIVE_INT(part) for part in text.split(",")]
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``ngram-hal bench``."""
     _add_common(parser)
-    parser.set_defaults(max_new_tokens=64)
-    parser.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=field_type(SamplingParams, "max_new_tokens"), default=64,
+                        metavar="N", help="at most N new tokens per request (default 64)")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16],
+                        help="comma-separated batch sizes (default 1,16)")
+    parser.add_argument("--requests", type=POSITIVE_INT, default=None,
                         help="requests per run (default: the prompt count, or the batch size if larger)")
     parser.add_argument("--json", metavar="PATH", default="reports/bench_engine.json",
                         help="JSON report (default reports/bench_engine.json)")
 
 
-class Setup:
-    """Backend, model and tokenizer loaded once for several runs."""
+# ---------------------------------------------------------------------------- checks before loading
 
-    def __init__(self, args: argparse.Namespace):
+
+def _specs(args: argparse.Namespace) -> list[PromptSpec]:
+    """The prompts to run, read and checked before anything loads."""
+    if getattr(args, "prompt", None) is not None:
+        if not args.prompt.strip():
+            raise CommandError("--prompt: the text is empty")
+        specs = [PromptSpec(id="prompt", messages=[{"role": "user", "content": args.prompt}])]
+    else:
+        try:
+            specs = load_prompts(args.prompts)
+        except OSError as exc:
+            raise CommandError(f"--prompts {args.prompts}: cannot read it ({exc.strerror or exc})") from exc
+        except ValueError as exc:
+            raise CommandError(f"--prompts {exc}") from exc
+    return cap_new_tokens(specs, args.max_new_tokens) if args.max_new_tokens else specs
+
+
+def _check_tree_room(args: argparse.Namespace) -> None:
+    limit = EngineConfig.max_spec_nodes(args.max_context_len)
+    if args.spec_nodes > limit:
+        raise CommandError(f"--spec-nodes {args.spec_nodes}: at most {limit} with --max-context-len "
+                           f"{args.max_context_len} (a request keeps 3 * D positions for draft trees)")
+
+
+def _model_file(args: argparse.Namespace) -> Path:
+    if args.model is not None and not Path(args.model).expanduser().is_file():
+        raise CommandError(f"--model {args.model}: no such file")
+    try:
+        return find_model_file(args.model)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc), code=1) from exc
+
+
+def _backend(args: argparse.Namespace):
+    """The backend asked for, with every op the engine needs, on a device that works."""
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError as exc:
+            raise CommandError(f"--device {args.device}: not a torch device (cpu, cuda, cuda:1, npu, ...)") from exc
+    name = args.backend
+    given = f"--backend {name}"
+    if name == "auto" and os.environ.get(ENV_BACKEND):
+        name = os.environ[ENV_BACKEND]
+        given = f"{ENV_BACKEND}={name}"
+    if name != "auto":
+        try:
+            backend_class(name)
+        except KeyError as exc:
+            raise CommandError(f"{given}: {error_line(exc)}") from exc
+    try:
+        backend = get_backend(name, device=args.device, require=OPS)
+    except RuntimeError as exc:
+        raise CommandError(f"{given}: {error_line(exc)}") from exc
+    try:
+        torch.zeros(1, device=backend.device)
+    except (RuntimeError, AssertionError) as exc:
+        raise CommandError(f"--device {backend.device}: cannot allocate there ({error_line(exc)})") from exc
+    return backend
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def choose_threads(requested: int | None, default: int, cores: int, load: float) -> tuple[int, str | None]:
+    """Threads to compute with, and a note when fewer than ``default`` (torch's) were chosen.
+
+    ``requested`` (``--threads``) wins. Otherwise ``default`` (every core) unless ``load``, the
+    1-minute load average, says other processes keep some of the ``cores`` busy: threads that
+    wait for each other at every operation fall far behind when one of them is off its core, so
+    only the idle cores are used then.
+    """
+    if requested:
+        return requested, None
+    idle = cores - round(load)
+    if default > 1 and idle < default:
+        n = max(1, idle)
+        return n, (f"{n} thread{'s' if n > 1 else ''}, not {default}: other processes keep the load average at "
+                   f"{load:.1f} on {cores} cores (--threads {default} overrides)")
+    return default, None
+
+
+def busy_note(load: float, cores: int) -> str | None:
+    """A warning when the load average says other processes competed for the CPU."""
+    if load <= cores:
+        return None
+    return f"note: busy machine (load average {load:.1f} on {cores} cores): timings are unreliable"
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+class Setup:
+    """Backend, model and tokenizer loaded once for several runs; ``status`` shows what it is doing."""
+
+    def __init__(self, args: argparse.Namespace, status: Console):
         from .model import LlamaModel
         from .tokenizer import Tokenizer
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        self.backend = get_backend(args.backend, device=args.device, require=OPS)
+        path = _model_file(args)
+        self.backend = _backend(args)
+        threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
+        torch.set_num_threads(threads)
         start = time.perf_counter()
-        self.model = LlamaModel.from_gguf(self.backend, args.model, DTYPES[args.dtype])
+        with status.status(f"loading {path.name} (about 10 s) ..."):
+            self.model = LlamaModel.from_gguf(self.backend, path, DTYPES[args.dtype])
+            self.tokenizer = Tokenizer(self.model.tokenizer_metadata)
         self.load_s = time.perf_counter() - start
-        self.tokenizer = Tokenizer(self.model.tokenizer_metadata)
+        caps = self.backend.capabilities()
+        status.print(f"loaded {path.name} in {self.load_s:.1f} s ({caps.name} backend on {caps.device}"
+                     f"{', proxy' if caps.proxy else ''}, {args.dtype}, {threads} thread{'s' if threads > 1 else ''})",
+                     highlight=False)
+        if note:
+            status.print(f"note: {note}")
         self.args = args
+        self.status = status
+        self.load_start = os.getloadavg()[0]
 
     def engine(self, spec_nodes: int, overlap: bool, batch_size: int, policy: str = "always"):
-        from .engine import Engine, EngineConfig
+        from .engine import Engine
 
         a = self.args
         config = EngineConfig(spec_nodes=spec_nodes, drafter=a.drafter, spec_policy=policy, overlap=overlap,
@@ -94,21 +227,39 @@ class Setup:
                               seed=getattr(a, "seed", 0))
         return Engine(self.model, self.tokenizer, config)
 
-    def warm_up(self) -> None:
-        """One short request, so that the first timed run does not pay one-time costs."""
-        engine = self.engine(self.args.spec_nodes, True, 1)
-        engine.generate([self.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])],
-                        SamplingParams(max_new_tokens=4))
+    def warm_up(self, spec_nodes: int) -> None:
+        """Two short requests, so that the timed runs do not pay one-time costs (kernel compilation)."""
+        start = time.perf_counter()
+        with self.status.status(f"compiling the numba kernels ({COMPILE_NOTE}) ..."):
+            engine = self.engine(spec_nodes, True, 2)
+            prompt = self.tokenizer.encode_chat([{"role": "user", "content": "Say hi, hi, hi."}])
+            engine.generate([prompt, prompt], SamplingParams(max_new_tokens=6))
+        self.status.print(f"kernels ready in {time.perf_counter() - start:.1f} s")
+
+    def load(self) -> float:
+        """The highest 1-minute load average seen so far (at the set-up and now)."""
+        return max(self.load_start, os.getloadavg()[0])
+
+    def warn_if_busy(self, console: Console) -> None:
+        """A warning when other processes competed for the CPU during the timed runs."""
+        note = busy_note(self.load(), cpu_cores())
+        if note:
+            console.print(note, style="yellow", highlight=False, soft_wrap=True)
 
     def describe(self) -> dict:
         caps = self.backend.capabilities()
+        load = self.load()
         return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.args.dtype,
-                "threads": torch.get_num_threads(), "model_load_s": round(self.load_s, 2)}
+                "threads": torch.get_num_threads(), "cores": cpu_cores(), "load_average": round(load, 2),
+                "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 
 
-def _console() -> Console:
-    """A console that does not squeeze the tables when output goes to a file or a pipe."""
-    return Console(width=None if sys.stdout.isatty() else 200)
+def _progress(status: Console) -> Progress:
+    """One labelled bar per run: tokens so far out of those that will be generated, elapsed and
+    remaining time (blank until two updates after the prefill give a rate)."""
+    return Progress(TextColumn("{task.description:<11}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                    TextColumn("tokens"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                    console=status)
 
 
 def _peak_rss_bytes() -> int:
@@ -122,71 +273,118 @@ def _write_json(path: str, payload: dict) -> None:
     out.write_text(json.dumps(payload, indent=2))
 
 
-def _specs(args: argparse.Namespace) -> list[PromptSpec]:
-    if getattr(args, "prompt", None):
-        return [PromptSpec(id="prompt", messages=[{"role": "user", "content": args.prompt}])]
-    return load_prompts(args.prompts)
+# ---------------------------------------------------------------------------- run
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Generate for the prompts, print the texts and a summary; with ``--compare`` also the speedup."""
-    console = _console()
+    """Generate for the prompts, print the texts and a summary; with ``--compare`` the speedup too."""
+    if args.compare and args.no_spec:
+        raise CommandError("--compare compares speculation with plain decoding: drop --no-spec")
     specs = _specs(args)
-    setup = Setup(args)
+    _check_tree_room(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed if args.temperature > 0 else None)
+                            max_new_tokens=args.max_new_tokens or 128,
+                            seed=args.seed if args.temperature > 0 else None)
+    console, status = Console(), Console(stderr=True, soft_wrap=True)
+    setup = Setup(args, status)
     spec_nodes = 1 if args.no_spec else args.spec_nodes
-    setup.warm_up()
-    engine = setup.engine(spec_nodes, not args.no_overlap, args.batch_size, args.spec_policy)
-    result = run_prompts(engine, setup.tokenizer, specs, params)
-    baseline = None
+    setup.warm_up(spec_nodes)
+    overlap = not args.no_overlap
+    runs = [("speculative" if spec_nodes > 1 else "plain",
+             setup.engine(spec_nodes, overlap, args.batch_size, args.spec_policy))]
     if args.compare:
-        baseline = run_prompts(setup.engine(1, not args.no_overlap, args.batch_size), setup.tokenizer, specs, params)
+        runs.append(("plain", setup.engine(1, overlap, args.batch_size)))
+    with _progress(status) as progress:
+        results = run_side_by_side(runs, setup.tokenizer, specs, params, progress)
+    result = results[0]
+    baseline = results[1] if args.compare else None
+    same = [a.token_ids == b.token_ids for a, b in zip(result.requests, baseline.requests)] if baseline else None
     if not args.quiet:
-        for rec in result.requests:
-            console.rule(f"[bold]{rec.id}[/] ({rec.kind}, {len(rec.token_ids)} tokens, {rec.finish_reason})")
-            console.print(rec.error if rec.error else rec.text, markup=False, highlight=False)
-    console.print(_requests_table(result))
-    console.print(_runs_table([("speculative" if spec_nodes > 1 else "plain", result)]
-                              + ([("no speculation", baseline)] if baseline else []), baseline))
+        _print_texts(console, result, baseline, same)
+    console.print(_requests_table(result, same))
+    console.print(_runs_table([(runs[0][0], result)] + ([("plain", baseline)] if baseline else []), baseline))
+    console.print(summary_line(result, baseline, same, greedy=params.greedy), highlight=False, soft_wrap=True)
+    setup.warn_if_busy(console)
     if args.json:
-        payload = {"setup": setup.describe(), "run": result.model_dump(),
-                   "peak_rss_bytes": _peak_rss_bytes()}
+        payload = {"setup": setup.describe(), "run": result.model_dump(), "peak_rss_bytes": _peak_rss_bytes()}
         if baseline is not None:
             payload["baseline"] = baseline.model_dump()
             payload["speedup"] = _ratio(result.totals.tokens_per_s, baseline.totals.tokens_per_s)
-            payload["same_tokens"] = [a.token_ids == b.token_ids for a, b in zip(result.requests, baseline.requests)]
+            payload["same_tokens"] = same
         _write_json(args.json, payload)
-        console.print(f"wrote {args.json}")
-    return 1 if any(r.error for r in result.requests) else 0
+        status.print(f"wrote {args.json}")
+    failed = [r for r in result.requests if r.error]
+    for r in failed:
+        status.print(f"error: request {r.id}: {r.error}", markup=False, highlight=False)
+    return 1 if failed else 0
 
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def _requests_table(result: RunResult) -> Table:
+def _print_texts(console: Console, result: RunResult, baseline: RunResult | None, same: list[bool] | None) -> None:
+    for i, rec in enumerate(result.requests):
+        console.rule(f"[bold]{rec.id}[/] ({rec.kind}, {len(rec.token_ids)} tokens, {rec.finish_reason})")
+        console.print(rec.error if rec.error else rec.text, markup=False, highlight=False)
+        if same is not None and not same[i]:
+            other = baseline.requests[i]
+            console.rule(f"[bold]{rec.id}[/], plain decoding ({len(other.token_ids)} tokens): a different text",
+                         style="yellow")
+            console.print(other.error if other.error else other.text, markup=False, highlight=False)
+
+
+def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool] | None, greedy: bool) -> str:
+    """The run in one line: the speedup, tokens per verify step, identical tokens."""
+    t = result.totals
+    if baseline is None:
+        return (f"{t.output_tokens} tokens in {t.wall_s:.1f} s ({t.tokens_per_s:.1f} tok/s), "
+                f"{t.tokens_per_verify_step:.2f} tok/verify step")
+    b = baseline.totals
+    speedup = _ratio(t.tokens_per_s, b.tokens_per_s)
+    ids = [r.id for r, ok in zip(result.requests, same) if not ok]
+    identical = f"identical tokens: {sum(same)}/{len(same)}"
+    if ids:
+        identical += f" (differ: {', '.join(ids)}" + ("" if greedy else "; expected when sampling") + ")"
+    return (f"speedup {speedup or 0:.2f}x ({t.tokens_per_s:.1f} vs {b.tokens_per_s:.1f} tok/s), "
+            f"{t.tokens_per_verify_step:.2f} tok/verify step, {identical}")
+
+
+def _requests_table(result: RunResult, same: list[bool] | None) -> Table:
     table = Table(title="requests")
-    for col in ("id", "kind", "prompt tok", "output tok", "verify steps", "tok/step", "finish"):
-        table.add_column(col, justify="left" if col in ("id", "kind", "finish") else "right")
-    for r in result.requests:
+    table.add_column("id", overflow="fold")
+    table.add_column("kind")
+    for header in ("prompt\ntokens", "output\ntokens", "verify\nsteps", "tokens\n/step"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("finish", no_wrap=True)
+    if same is not None:
+        table.add_column("same", no_wrap=True)
+    for i, r in enumerate(result.requests):
         per = (len(r.token_ids) - 1) / r.verify_steps if r.verify_steps else 0.0
-        table.add_row(r.id, r.kind, str(r.prompt_tokens), str(len(r.token_ids)), str(r.verify_steps),
-                      f"{per:.2f}", r.finish_reason or "")
+        row = [r.id, r.kind, str(r.prompt_tokens), str(len(r.token_ids)), str(r.verify_steps), f"{per:.2f}",
+               r.finish_reason or ""]
+        if same is not None:
+            row.append("yes" if same[i] else "no")
+        table.add_row(*row)
     return table
 
 
 def _runs_table(runs: list[tuple[str, RunResult]], baseline: RunResult | None) -> Table:
     table = Table(title="summary")
-    for col in ("run", "tokens", "tok/verify step", "decode steps", "ms/step", "wall s", "tok/s", "speedup"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+    table.add_column("run", no_wrap=True)
+    for header in ("output\ntokens", "tokens\n/verify", "decode\nsteps", "ms\n/step", "time\ns", "tok/s",
+                   "speedup"):
+        table.add_column(header, justify="right", no_wrap=True)
     for name, res in runs:
         t = res.totals
         speed = _ratio(t.tokens_per_s, baseline.totals.tokens_per_s) if baseline else None
         table.add_row(name, str(t.output_tokens), f"{t.tokens_per_verify_step:.2f}", str(t.decode_steps),
-                      f"{t.ms_per_decode_step:.1f}", f"{t.wall_s:.2f}", f"{t.tokens_per_s:.2f}",
+                      f"{t.ms_per_decode_step:.0f}", f"{t.wall_s:.1f}", f"{t.tokens_per_s:.1f}",
                       f"{speed:.2f}x" if speed else "")
     return table
+
+
+# ---------------------------------------------------------------------------- bench
 
 
 BENCH_RUNS = (("plain", False, "always", True), ("plain", False, "always", False),
@@ -196,33 +394,36 @@ BENCH_RUNS = (("plain", False, "always", True), ("plain", False, "always", False
 
 def bench_command(args: argparse.Namespace) -> int:
     """Plain vs speculative (always and auto) x overlap on/off x batch sizes; JSON with memory figures."""
-    console = _console()
     specs = _specs(args)
-    setup = Setup(args)
+    _check_tree_room(args)
+    console, status = Console(), Console(stderr=True, soft_wrap=True)
+    setup = Setup(args, status)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    capped = [s.model_copy(update={"max_new_tokens": min(s.max_new_tokens or args.max_new_tokens, args.max_new_tokens)})
-              for s in specs]
-    setup.warm_up()
+    setup.warm_up(args.spec_nodes)
     rows, kv_bytes = [], {}
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        count = args.requests or max(batch, len(capped))
-        workload = [capped[i % len(capped)] for i in range(count)]
-        for name, speculative, policy, overlap in BENCH_RUNS:
-            engine = setup.engine(args.spec_nodes if speculative else 1, overlap, batch, policy)
-            kv_bytes[batch] = engine.kv.nbytes
-            res = run_prompts(engine, setup.tokenizer, workload, params, progress=sys.stderr.isatty())
-            rows.append({"batch": batch, "run": name, "spec_nodes": engine.num_nodes, "policy": policy,
-                         "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.num_nodes, 0),
-                         "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
-                         "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]})
-            del engine
+    with _progress(status) as progress:
+        for batch in args.batch_sizes:
+            count = args.requests or max(batch, len(specs))
+            workload = [specs[i % len(specs)] for i in range(count)]
+            for name, speculative, policy, overlap in BENCH_RUNS:
+                engine = setup.engine(args.spec_nodes if speculative else 1, overlap, batch, policy)
+                kv_bytes[batch] = engine.kv.nbytes
+                label = f"B={batch} {name}{'' if overlap else ' -ovl'}"
+                res = run_prompts(engine, setup.tokenizer, workload, params, progress, label)
+                rows.append({"batch": batch, "run": name, "spec_nodes": engine.num_nodes, "policy": policy,
+                             "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.num_nodes, 0),
+                             "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
+                             "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]})
+                del engine
     _add_ratios(rows)
-    console.print(_bench_table(rows))
+    console.print(_bench_speed_table(rows, args.spec_nodes))
+    console.print(_bench_step_table(rows))
     payload = {"setup": setup.describe(), "max_new_tokens": args.max_new_tokens, "runs": rows,
                "kv_cache_bytes": kv_bytes, "peak_rss_bytes": _peak_rss_bytes()}
     _write_json(args.json, payload)
     console.print(f"KV cache {max(kv_bytes.values()) / 2**20:.0f} MiB; peak RSS "
                   f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB; wrote {args.json}")
+    setup.warn_if_busy(console)
     return 0
 
 
@@ -238,19 +439,32 @@ def _add_ratios(rows: list[dict]) -> None:
             row["overlap_gain"] = _ratio(row["totals"]["tokens_per_s"], twin["totals"]["tokens_per_s"])
 
 
-def _bench_table(rows: list[dict]) -> Table:
-    table = Table(title="ngram-hal bench (speedup vs plain decode without overlap, same batch)")
-    for col in ("batch", "run", "overlap", "tok/s", "tok/verify", "ms/step", "host ms/step hidden",
-                "host ms/step critical", "wait ms/step", "speedup", "overlap gain", "same tokens"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+def _bench_table(title: str, headers: tuple[str, ...]) -> Table:
+    table = Table(title=title)
+    for col in ("batch", "run", "overlap") + headers:
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    return table
+
+
+def _bench_speed_table(rows: list[dict], spec_nodes: int) -> Table:
+    table = _bench_table(f"ngram-hal bench: speed (spec: D={spec_nodes}; speedup against plain decoding without "
+                         "overlap, same batch)",
+                         ("tok/s", "tokens\n/verify", "speedup", "overlap\ngain", "same\ntokens"))
+    for r in rows:
+        t, gain = r["totals"], r.get("overlap_gain")
+        table.add_row(str(r["batch"]), r["run"], "on" if r["overlap"] else "off", f"{t['tokens_per_s']:.1f}",
+                      f"{t['tokens_per_verify_step']:.2f}", f"{r['speedup_vs_plain']:.2f}x",
+                      f"{gain:.2f}x" if gain else "", "yes" if r["same_tokens_as_plain"] else "no")
+    return table
+
+
+def _bench_step_table(rows: list[dict]) -> Table:
+    table = _bench_table("ngram-hal bench: ms per step (host work hidden behind the device, or on its critical path)",
+                         ("step", "host\nhidden", "host\ncritical", "wait"))
     for r in rows:
         t = r["totals"]
         steps = max(t["decode_steps"] + t["prefill_steps"], 1)
-        gain = r.get("overlap_gain")
-        table.add_row(str(r["batch"]), f"{r['run']} (D={r['spec_nodes']})" if r["spec_nodes"] > 1 else r["run"],
-                      "on" if r["overlap"] else "off", f"{t['tokens_per_s']:.2f}", f"{t['tokens_per_verify_step']:.2f}",
-                      f"{t['ms_per_decode_step']:.1f}", f"{1e3 * t['hidden_host_s'] / steps:.2f}",
-                      f"{1e3 * t['critical_host_s'] / steps:.2f}", f"{1e3 * t['wait_s'] / steps:.2f}",
-                      f"{r['speedup_vs_plain']:.2f}x", f"{gain:.2f}x" if gain else "",
-                      "yes" if r["same_tokens_as_plain"] else "no")
+        table.add_row(str(r["batch"]), r["run"], "on" if r["overlap"] else "off", f"{t['ms_per_decode_step']:.1f}",
+                      f"{1e3 * t['hidden_host_s'] / steps:.2f}", f"{1e3 * t['critical_host_s'] / steps:.2f}",
+                      f"{1e3 * t['wait_s'] / steps:.2f}")
     return table

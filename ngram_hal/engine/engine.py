@@ -37,7 +37,7 @@ from itertools import accumulate
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
@@ -61,7 +61,8 @@ class EngineConfig(BaseModel):
     only as many tree nodes as the fullest draft of the batch holds: a plain decode step (1 node)
     when the drafter found nothing for any request.
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
-    the positions one request may use (prompt, output and ``3*D`` of speculation room).
+    the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
+    at most :meth:`max_spec_nodes` of it.
     ``graphs`` replays decode and verify forwards from captured graphs where the backend's runtime
     can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or with a strict backend).
     """
@@ -79,6 +80,20 @@ class EngineConfig(BaseModel):
     max_context_len: int = Field(2048, ge=8)
     max_prefill_tokens: int = Field(4096, ge=1)
     seed: int = 0
+
+    @staticmethod
+    def max_spec_nodes(max_context_len: int) -> int:
+        """The largest D a context of ``max_context_len`` positions holds with room for one prompt
+        token and one new token beside the ``3*D`` positions of speculation room."""
+        return (max_context_len - 2) // 3
+
+    @model_validator(mode="after")
+    def _room_for_trees(self) -> "EngineConfig":
+        limit = self.max_spec_nodes(self.max_context_len)
+        if self.spec_nodes > limit:
+            raise ValueError(f"spec_nodes {self.spec_nodes} leaves no room in max_context_len {self.max_context_len} "
+                             f"(a request keeps 3 * spec_nodes positions for draft trees): at most {limit}")
+        return self
 
 
 @dataclass
@@ -175,26 +190,48 @@ class Engine:
                     rid: str | None = None) -> str:
         """Queue a request; returns its id.
 
-        ``prompt`` is text (needs a tokenizer) or token ids. Bad arguments raise ``ValueError``
-        and change nothing. A request that can never run (its prompt leaves no room in the
-        context, or it needs more slots than the cache has) is accepted and finishes at once
-        with ``finish_reason == "error"`` and a message; other requests are unaffected.
+        ``prompt`` is text (needs a tokenizer) or a sequence of token ids; ``params`` a
+        :class:`SamplingParams` or None (the defaults); ``rid`` a string or None (one is made).
+        Bad arguments, of any type, raise ``ValueError`` and change nothing. A request that can
+        never run (its prompt leaves no room in the context, or it needs more slots than the
+        cache has) is accepted and finishes at once with ``finish_reason == "error"`` and a
+        message; other requests are unaffected.
         """
-        params = params or SamplingParams()
+        req = self._new_request(prompt, params, rid)
+        self._admit(req)
+        return req.rid
+
+    def _new_request(self, prompt, params, rid, label: str = "") -> Request:
+        """A validated :class:`Request`; raises ``ValueError`` naming the argument, and changes nothing."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"{label}params: expected SamplingParams or None, got {type(params).__name__}")
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"{label}rid: expected a string or None, got {type(rid).__name__}")
+        if rid is not None and rid in self._requests:
+            raise ValueError(f"{label}rid: request '{rid}' is still in the engine")
+        vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+                raise ValueError(f"{label}prompt: text prompts need a tokenizer; pass token ids")
             ids = list(self.tokenizer.encode(prompt))
-        else:
+        elif isinstance(prompt, Sequence):
             ids = list(prompt)
-        vocab = self.model.config.vocab_size
+        else:
+            raise ValueError(f"{label}prompt: expected text or a sequence of token ids, got {type(prompt).__name__}")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be ints in [0, {vocab})")
+            raise ValueError(f"{label}prompt: token ids must be ints in [0, {vocab})")
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"{label}params.stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
-            raise ValueError("params.stop: stop strings need a tokenizer")
-        if rid is not None and rid in self._requests:
-            raise ValueError(f"rid: request '{rid}' is still in the engine")
-        req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
+            raise ValueError(f"{label}params.stop: stop strings need a tokenizer")
+        return Request(ids, params) if rid is None else Request(ids, params, rid=rid)
+
+    def _admit(self, req: Request) -> None:
+        """Queue a validated request, or finish it at once with the reason it can never run."""
+        params = req.params
         req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
@@ -208,7 +245,6 @@ class Engine:
             self._report(req)
         else:
             self.sched.waiting.append(req)
-        return req.rid
 
     def abort(self, rid: str) -> bool:
         """End a waiting or running request now, freeing its slots; False if it is unknown or done.
@@ -231,36 +267,45 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; the final output of each, in order."""
-        rids = self._add_all(prompts, params)
+        """Run ``prompts`` to completion; the final output of each, in order.
+
+        The requests are queued by :meth:`add_requests`: all of them, or none.
+        """
+        rids = self.add_requests(prompts, params)
         final = {out.rid: out for out in self.follow(rids) if out.finished}
         return [final[rid] for rid in rids]
 
     def stream(self, prompts: Sequence[str | Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Add ``prompts`` and yield their incremental outputs as steps produce them.
+        """Queue ``prompts`` by :meth:`add_requests` and yield their incremental outputs as steps
+        produce them.
 
         Each output carries the tokens and text added since the previous one of its request; the
         last one of a request has ``finished`` set.
         """
-        return self.follow(self._add_all(prompts, params))
+        return self.follow(self.add_requests(prompts, params))
 
-    def _add_all(self, prompts, params) -> list[str]:
+    def add_requests(self, prompts: Sequence[str | Sequence[int]],
+                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
+        """Queue several requests at once; returns their ids, in order.
+
+        ``params`` is one :class:`SamplingParams` for every prompt, one per prompt, or None.
+        Every request is validated before any is queued: a bad one raises ``ValueError`` naming
+        its index (``prompts[i]: ...``), and the engine is left as it was.
+        """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        rids: list[str] = []
-        try:
-            for p, sp in zip(prompts, params):
-                rids.append(self.add_request(p, sp))
-        except ValueError:
-            dropped = set(rids)
-            for rid in rids:
-                self.abort(rid)
-            self._pending = [o for o in self._pending if o.rid not in dropped]
-            raise
-        return rids
+            params = [params] * len(prompts)
+        elif isinstance(params, Sequence):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"params: expected SamplingParams, a list of them or None, got {type(params).__name__}")
+        reqs = [self._new_request(p, sp, None, label=f"prompts[{i}]: ") for i, (p, sp) in enumerate(zip(prompts, params))]
+        for req in reqs:
+            self._admit(req)
+        return [req.rid for req in reqs]
 
     def follow(self, rids: Sequence[str]) -> Iterator[RequestOutput]:
         """Step the engine until the requests ``rids`` have finished, yielding their outputs.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -12,10 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .detokenizer import IncrementalDetokenizer
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: the distribution is one-hot for all practical purposes,
+and dividing logits by a temperature near float32's smallest would overflow to inf."""
+
+
 class SamplingParams(BaseModel):
     """How one request is decoded.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``temperature`` below :data:`GREEDY_BELOW` (0 included) is greedy. ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off.
     ``seed`` makes a sampled request reproducible given the same drafts (the same engine settings
     and request history: the drafts decide which tokens the verify tries first). Generation
     stops at the first of: ``max_new_tokens`` committed tokens, a token in ``stop_token_ids``
@@ -26,13 +33,13 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
     seed: int | None = None
     max_new_tokens: int = Field(128, ge=1)
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
 
@@ -45,7 +52,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class Status(enum.Enum):

@@ -3,6 +3,16 @@
 The free list is a device int64 tensor of page ids; how many pages it holds is its length, which
 is tensor metadata, so every decision about whether a request fits is made on the host from
 host-side lengths. Page ``p`` holds slots ``p*page_size .. p*page_size + page_size - 1``.
+
+Ownership is a device bitmap, one flag per page, set when a page is handed out and cleared when
+it comes back, in every mode. :meth:`SlotAllocator.free` refuses a page it does not own (never
+handed out, already given back, given twice in one call, -1, out of range or not at a page
+start). Strict mode raises and frees nothing. Default mode cannot raise without reading the
+data, so it masks instead: refused pages become -1 in a *returned* list kept beside the free
+list, whose length (an upper bound of the pages it holds, exact when nothing was refused) counts
+as free. The returned list joins the free list, its -1 entries dropped, only when an allocation
+needs more pages than the free list holds: that is the one host sync, once per turnover of the
+cache rather than once per call.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ class SlotAllocator:
 
     Args:
         backend: the backend whose ``alloc_extend`` computes slot ids; its device holds the free
-            list and its ``strict`` flag turns on the double-free checks (which read device data).
+            list and its ``strict`` flag makes a refused free raise (a check that reads device data).
         num_slots: slots of the KV cache; the last ``num_slots % page_size`` are left unused.
         page_size: slots per page, >= 1.
     """
@@ -60,18 +70,23 @@ class SlotAllocator:
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
         self._free = torch.arange(self.num_pages, dtype=c.INDEX_DTYPE, device=self.device)
-        self._allocated = (torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-                           if self.strict else None)
+        self._returned = torch.empty(0, dtype=c.INDEX_DTYPE, device=self.device)
+        # Page p is handed out and not yet given back; entry num_pages is a scratch flag, never set.
+        self._owned = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
 
     @property
     def free_list(self) -> torch.Tensor:
-        """The free page ids, int64[free_pages] on the device, next to be handed out first. Read only."""
+        """The free page ids, int64[free_pages] on the device, next to be handed out first. Read only.
+
+        Merges pages given back in default mode first, which reads device data (a host sync).
+        """
+        self._merge()
         return self._free
 
     @property
     def free_pages(self) -> int:
-        """Whole pages free now (host int)."""
-        return self._free.shape[0]
+        """Whole pages free now (host int); see the module docstring for pages given back in default mode."""
+        return self._free.shape[0] + self._returned.shape[0]
 
     def available(self) -> int:
         """Slots in free pages (host int). Slots left in a request's last partial page are not counted."""
@@ -136,17 +151,32 @@ class SlotAllocator:
                 ``page_size`` (the whole request from position 0, or its tail from a page
                 boundary). Page k of the run is freed through ``locs[k*page_size]``. With
                 ``page_size == 1`` any set of allocated slots may be given.
-        In strict mode, freeing a slot that is not allocated (a double free), or locs that do not
-        lie page by page as above, raises :class:`ngram_hal.ContractError` and frees nothing.
+        A page the allocator does not own is refused in every mode (see the module docstring).
+        In strict mode such a page (a double free, say), or locs that do not lie page by page as
+        above, raise :class:`ngram_hal.ContractError` and free nothing. In default mode the
+        refused pages are dropped without a host sync and the others are freed.
         """
         op = "SlotAllocator.free"
         c.check_index(op, "locs", locs, self.device, ndim=1)
         ps = self.page_size
-        pages = torch.div(locs[::ps], ps, rounding_mode="floor")
+        heads = locs[::ps]
+        pages = torch.div(heads, ps, rounding_mode="floor")
         if self.strict:
             self._check_free(op, locs, pages)
-            self._allocated[pages] = False
-        self._free = torch.cat([self._free, pages])
+            self._owned[pages] = False
+            self._free = torch.cat([self._free, pages])
+            return
+        n = pages.shape[0]
+        order = torch.arange(n, dtype=c.INDEX_DTYPE, device=self.device)
+        ok = (heads >= 0) & (heads < self.num_slots) & (heads % ps == 0)
+        index = torch.where(ok, pages, self.num_pages)
+        first = torch.full((self.num_pages + 1,), n, dtype=c.INDEX_DTYPE, device=self.device)
+        first.scatter_reduce_(0, index, order, "amin")
+        ok &= self._owned.index_select(0, index) & (first.index_select(0, index) == order)
+        self._owned.index_fill_(0, torch.where(ok, pages, self.num_pages), False)
+        self._returned = torch.cat([self._returned, torch.where(ok, pages, c.SENTINEL)])
+        if self.free_pages > self.num_pages:
+            self._merge()  # more pages counted than exist: refused entries are sure to be there
 
     def _check_free(self, op: str, locs: torch.Tensor, pages: torch.Tensor) -> None:
         ps = self.page_size
@@ -158,18 +188,26 @@ class SlotAllocator:
             raise c.ContractError(op, "locs", f"not the slots of {n} positions of one request from a page "
                                   f"boundary (page_size {ps}: position p sits at offset p % {ps} of its page)")
         c.value_distinct(op, "locs", pages)
-        held = self._allocated[pages]
+        held = self._owned[pages]
         if not bool(held.all()):
             slot = int(pages[~held][0]) * ps
             raise c.ContractError(op, "locs", f"slot {slot} is not allocated (double free?)")
 
+    def _merge(self) -> None:
+        """Append the pages given back in default mode to the free list, dropping refused ones."""
+        if self._returned.shape[0]:
+            kept = self._returned[self._returned >= 0]
+            self._free = torch.cat([self._free, kept])
+            self._returned = self._returned[:0]
+
     def _ensure(self, num_pages: int) -> None:
-        if num_pages > self.free_pages:
+        if num_pages > self._free.shape[0]:
+            self._merge()
+        if num_pages > self._free.shape[0]:
             raise OutOfSlotsError(num_pages * self.page_size, self.available(), self.page_size)
 
     def _take(self, num_pages: int) -> None:
-        if self._allocated is not None:
-            self._allocated[self._free[:num_pages]] = True
+        self._owned[self._free[:num_pages]] = True
         self._free = self._free[num_pages:]
 
     def __repr__(self) -> str:

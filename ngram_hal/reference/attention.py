@@ -12,7 +12,11 @@ as the plan of an :class:`ngram_hal.AttentionLayout`); :func:`attention` runs on
   gathers of a ragged kernel, whatever the mix of decodes and extends.
 
 Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`.
-Arguments are validated by :class:`ngram_hal.Backend` before these functions run.
+Arguments are validated by :class:`ngram_hal.Backend` before these functions run. Values the
+contract forbids (checked only in strict mode) are masked as a kernel would mask them: negative
+``q_lens`` count as 0, queries past the runs (or past what a request's blocks hold) read as
+zeros, a request row outside ``req_to_token`` and a slot outside the cache read no key. Such a
+call computes garbage for the requests concerned, but never reads or writes outside a tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory.kv_cache import KVCache
+from .ragged import flatten, within
 
 CHUNK_BYTES = 64 << 20
 
@@ -52,7 +57,11 @@ def _tree_blocks(tree_mask: torch.Tensor, prefix: torch.Tensor, cols: torch.Tens
 
 
 def _causal_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: torch.Tensor) -> _Blocks:
-    """Blocks of consecutive queries of one request; query at position p sees keys ``<= p``."""
+    """Blocks of consecutive queries of one request; query at position p sees keys ``<= p``.
+
+    A query that fits no block (past the runs of ``q_lens``, or of a request with more queries
+    than its blocks hold) maps to the scratch row ``count * size`` and sees no key.
+    """
     B, T, dev = kv_lens.shape[0], cols.shape[0], kv_lens.device
     q_max = min(N, T)
     if B * q_max <= 2 * N:
@@ -61,19 +70,22 @@ def _causal_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: to
         size = -(-N // B)
         # sum_b ceil(q_b / size) <= floor((N + B * (size - 1)) / size), and no more blocks than queries.
         count = min(N, (N + B * (size - 1)) // size)
-    req = torch.repeat_interleave(torch.arange(B, dtype=torch.int64, device=dev), q_lens, output_size=N)
-    row = torch.arange(N, dtype=torch.int64, device=dev) - (torch.cumsum(q_lens, 0) - q_lens).index_select(0, req)
-    per_req = (q_lens + size - 1) // size
-    block = (torch.cumsum(per_req, 0) - per_req).index_select(0, req) + row // size
+    flat = flatten(q_lens, N)
+    req, row = flat.run, flat.offset
+    per_req = (flat.lengths + size - 1) // size
+    block = flat.per_run(torch.cumsum(per_req, 0) - per_req) + row // size
     slot = row % size
-    block_req = torch.zeros(count, dtype=torch.int64, device=dev).scatter_(0, block, req)
-    used = torch.zeros(count, dtype=torch.bool, device=dev).scatter_(0, block, torch.ones_like(block, dtype=torch.bool))
-    start = (kv_lens - q_lens).index_select(0, req) + row - slot
-    first_pos = torch.zeros(count, dtype=torch.int64, device=dev).scatter_(0, block, start)
+    placed = flat.inside & (block < count)
+    block = torch.where(placed, block, count)
+    # Scatters write one scratch entry past the last block for the queries that fit none.
+    block_req = torch.zeros(count + 1, dtype=torch.int64, device=dev).scatter_(0, block, req.clamp(max=B - 1))[:count]
+    used = torch.zeros(count + 1, dtype=torch.bool, device=dev).scatter_(0, block, placed)[:count]
+    start = flat.per_run(kv_lens - flat.lengths) + row - slot
+    first_pos = torch.zeros(count + 1, dtype=torch.int64, device=dev).scatter_(0, block, start)[:count]
     length = torch.where(used, kv_lens.index_select(0, block_req), 0)
     pos = first_pos.unsqueeze(1) + torch.arange(size, dtype=torch.int64, device=dev)
     mask = (cols <= pos.unsqueeze(2)) & (cols < length.view(count, 1, 1))
-    return _Blocks(size, block * size + slot, block_req, mask)
+    return _Blocks(size, torch.where(placed, block * size + slot, count * size), block_req, mask)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -89,7 +101,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 class Plan:
     """The blocks of one batch and the KV rows (int64[G, T]) each block reads, -1 where a block
-    reads no key; :meth:`rows` maps those to the cache's scratch row, once per cache."""
+    reads no key; :meth:`rows` maps those, and any slot outside the cache, to the cache's
+    scratch row, once per cache."""
 
     def __init__(self, blocks: _Blocks, slots: torch.Tensor):
         self.blocks = blocks
@@ -98,23 +111,30 @@ class Plan:
 
     def rows(self, scratch: int) -> torch.Tensor:
         if self._rows is None or self._rows[0] != scratch:
-            self._rows = (scratch, torch.where(self.slots >= 0, self.slots, scratch))
+            self._rows = (scratch, torch.where(within(self.slots, scratch), self.slots, scratch))
         return self._rows[1]
 
 
 def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
            q_lens: torch.Tensor, tree_mask: torch.Tensor | None, N: int, max_kv_len: int) -> Plan | None:
-    """The blocks of one batch; None when there is nothing to attend to (no query or no key)."""
-    T = min(max_kv_len, req_to_token.shape[1])
-    if N == 0 or T == 0:
+    """The blocks of one batch; None when there is nothing to attend to (no query, key or request).
+
+    A block of a request whose ``req_pool_indices`` entry lies outside ``req_to_token`` reads no key.
+    """
+    R, M = req_to_token.shape
+    T = min(max_kv_len, M)
+    B = req_pool_indices.shape[0]
+    if N == 0 or T <= 0 or B == 0 or R == 0:
         return None
     cols = torch.arange(T, dtype=torch.int64, device=req_to_token.device)
     if tree_mask is not None:
         blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
     else:
         blocks = _causal_blocks(kv_lens, q_lens, N, cols)
-    slots = req_to_token[:, :T].index_select(0, req_pool_indices.index_select(0, blocks.req))
-    return Plan(blocks, torch.where(blocks.mask.any(1), slots, -1))
+    table_row = req_pool_indices.index_select(0, blocks.req)
+    readable = blocks.mask.any(1) & within(table_row, R).unsqueeze(1)
+    slots = req_to_token[:, :T].index_select(0, table_row.clamp(0, R - 1))
+    return Plan(blocks, torch.where(readable, slots, -1))
 
 
 def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_scale: float) -> torch.Tensor:
@@ -135,13 +155,18 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
     # Blocks are laid out in query order, so when they hold exactly N rows the layout is the identity.
     dense = G * Bq == N
     qw = q if q.dtype == work else q.to(work)
+    # Off the identity layout, one scratch row past the blocks takes the queries that fit no block
+    # (in and out; it reads as zeros).
+    spare = 0 if dense else 1
     if dense:
         q_pad = qw.view(G, Bq, Hq, d)
     else:
-        q_pad = q.new_zeros(G * Bq, Hq, d, dtype=work).index_copy_(0, blocks.flat, qw).view(G, Bq, Hq, d)
+        q_pad = q.new_zeros(G * Bq + 1, Hq, d, dtype=work).index_copy_(0, blocks.flat, qw)[:G * Bq].view(G, Bq, Hq, d)
     H, elt = kv.num_heads, torch.empty((), dtype=work).element_size()
     chunk = max(1, CHUNK_BYTES // (T * elt * (2 * H * d + Hq * Bq)))
-    out = torch.empty_like(q_pad)
+    out_rows = torch.empty(G * Bq + spare, Hq, d, dtype=work, device=q.device)
+    out_rows[G * Bq:] = 0
+    out = out_rows[:G * Bq].view(G, Bq, Hq, d)
     for s in range(0, G, chunk):
         e = min(G, s + chunk)
         r = rows[s:e].reshape(-1)
@@ -150,5 +175,5 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
         if k.dtype != work:
             k, v = k.to(work), v.to(work)
         out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale)
-    out = out.view(N, Hq, d) if dense else out.view(G * Bq, Hq, d).index_select(0, blocks.flat)
+    out = out_rows if dense else out_rows.index_select(0, blocks.flat)
     return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -1,4 +1,9 @@
-"""Draft-tree structure from a tree mask: positions and retrieve links, in plain torch."""
+"""Draft-tree structure from a tree mask: positions and retrieve links, in plain torch.
+
+Every op here works on the mask's shape only, so any mask values give in-range outputs: a node
+that does not see itself (a mask the contract forbids, checked only in strict mode) still gets
+depth 0, never a position before its root.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ def reconstruct_tree(tree_mask: torch.Tensor, seq_lens: torch.Tensor
     """
     B, D, _ = tree_mask.shape
     device = tree_mask.device
-    depth = tree_mask.sum(-1) - 1
+    depth = (tree_mask.sum(-1) - 1).clamp(min=0)
     positions = (seq_lens.unsqueeze(1) + depth).reshape(B * D)
     retrieve_index = torch.arange(B * D, dtype=torch.int64, device=device).view(B, D)
 

@@ -1,23 +1,29 @@
 """Tree verification, greedy and by target-only rejection sampling, in plain torch.
 
 The walk down a draft tree is sequential in depth, so both ops loop over at most D steps, each a
-handful of tensor ops over the whole batch; nothing reads device data on the host.
+handful of tensor ops over the whole batch; nothing reads device data on the host. Values the
+contract forbids (checked only in strict mode) are masked as a kernel would mask them: a
+retrieve link outside ``[0, D)`` is no link, a candidate token outside the vocabulary is never
+accepted, and ``predicts`` is not written at a ``retrieve_index`` outside ``[0, B*D)``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .ragged import within
+
 
 def _children(retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor) -> torch.Tensor:
     """``kids[b, p, k]``: the k-th child of node p in sibling order, -1 padded; int64[B, D, K],
     K = max(D - 1, 1) (a node has at most D - 1 children)."""
     D = retrieve_next_token.shape[1]
-    cur = retrieve_next_token
+    sibling = torch.where(within(retrieve_next_sibling, D), retrieve_next_sibling, -1)
+    cur = torch.where(within(retrieve_next_token, D), retrieve_next_token, -1)
     columns = []
     for _ in range(max(D - 1, 1)):
         columns.append(cur)
-        after = retrieve_next_sibling.gather(1, cur.clamp(min=0))
+        after = sibling.gather(1, cur.clamp(min=0))
         cur = torch.where(cur >= 0, after, -1)
     return torch.stack(columns, dim=-1)
 
@@ -46,7 +52,7 @@ def _outputs(accept_nodes: torch.Tensor, predicted: torch.Tensor, retrieve_index
     accept_index = torch.where(accepted, flat, -1)
     # Entries for unaccepted columns land in a scratch element past the end.
     predicts = torch.zeros(B * D + 1, dtype=torch.int64, device=accept_nodes.device)
-    predicts.scatter_(0, torch.where(accepted, flat, B * D).reshape(-1), predicted.reshape(-1))
+    predicts.scatter_(0, torch.where(accepted & within(flat, B * D), flat, B * D).reshape(-1), predicted.reshape(-1))
     return predicts[: B * D], accept_index, accepted.sum(-1)
 
 
@@ -114,11 +120,11 @@ def verify_tree_sample(candidates: torch.Tensor, retrieve_index: torch.Tensor,
     nodes, taken, moved = [node.squeeze(1)], [], []
     for _ in range(D):
         k = _row(kids, node)
-        valid = k >= 0
         tok = candidates.gather(1, k.clamp(min=0))
+        valid = (k >= 0) & within(tok, V)
         q = _row(target_probs, node).float()
         repeat = ((tok.unsqueeze(2) == tok.unsqueeze(1)) & valid.unsqueeze(1) & earlier).any(-1)
-        mass = torch.where(valid & ~repeat, q.gather(1, tok.clamp(min=0)), 0.0)
+        mass = torch.where(valid & ~repeat, q.gather(1, torch.where(valid, tok, 0)), 0.0)
         rest = torch.cat([q, q.new_zeros(B, 1)], dim=1).scatter(1, torch.where(valid, tok, V), 0.0)[:, :V]
         seen_sum = rest.sum(-1, keepdim=True) + mass.flip(-1).cumsum(-1).flip(-1)
         accept = valid & (coins.gather(1, k.clamp(min=0)) * seen_sum < mass)

@@ -1,0 +1,122 @@
+"""The ``ngram-hal`` command as a user runs it: every mistake is one line, ``error: ...``.
+
+Each case runs the installed console script in a subprocess and checks that it exits non-zero
+with a single line on stderr naming the option or file and what is allowed, no traceback, and
+nothing on stdout (no table for a run that did not happen). The cases fail before the model is
+loaded, which is why nothing else is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ngram_hal.cli import CommandError, main
+
+NGRAM_HAL = shutil.which("ngram-hal", path=str(Path(sys.executable).parent)) or shutil.which("ngram-hal")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    assert NGRAM_HAL, "the ngram-hal console script is not installed"
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NGRAM_HAL_DEBUG", "NGRAM_HAL_BACKEND")}
+    full_env.update({"COLUMNS": "80", **(env or {})})
+    return subprocess.run([NGRAM_HAL, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bad_prompts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prompts")
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    files = {"wrong-type": f'{good}\n{{"messages": "oops"}}\n', "not-json": f"{good}\n\nnot json\n", "empty": "\n"}
+    for name, text in files.items():
+        (root / f"{name}.jsonl").write_text(text)
+    return {name: root / f"{name}.jsonl" for name in files}
+
+
+# The cases a newcomer met, each run as a user runs it.
+USER_CASES = {
+    "unknown-backend": (["run", "--backend", "nosuch"], r"--backend nosuch: no backend named 'nosuch'; registered: .*cpu"),
+    "unavailable-backend": (["run", "--backend", "npu"], r"--backend npu: .*not available.*torch_npu"),
+    "missing-prompts": (["run", "--prompts", "/no/such/prompts.jsonl"],
+                        r"--prompts /no/such/prompts.jsonl: cannot read it \(No such file or directory\)"),
+    "wrong-type-line": (["run", "--prompts", "{wrong-type}"], r"--prompts .*wrong-type.jsonl line 2: messages: input "
+                                                              r"should be a valid list"),
+    "zero-new-tokens": (["run", "--max-new-tokens", "0"], r"argument --max-new-tokens: '0': input should be greater "
+                                                          r"than or equal to 1"),
+    "negative-temperature": (["run", "--temperature", "-1"], r"argument --temperature: '-1': input should be greater "
+                                                             r"than or equal to 0"),
+    "zero-spec-nodes": (["run", "--spec-nodes", "0"], r"argument --spec-nodes: '0': input should be greater"),
+    "huge-spec-nodes": (["run", "--spec-nodes", "100000"], r"--spec-nodes 100000: at most 682 with --max-context-len "
+                                                           r"2048"),
+    "conformance-unknown-backend": (["conformance", "--backend", "nosuch"], r"--backend nosuch: no backend named"),
+}
+
+# More of the same, run in this process (the same code path, without a new interpreter each).
+MORE_CASES = {
+    "not-json-line": (["run", "--prompts", "{not-json}"], r"--prompts .*not-json.jsonl line 3: not JSON"),
+    "empty-prompts": (["run", "--prompts", "{empty}"], r"--prompts .*empty.jsonl: no prompts"),
+    "empty-prompt": (["run", "--prompt", " "], r"--prompt: the text is empty"),
+    "nan-temperature": (["run", "--temperature", "nan"], r"argument --temperature: 'nan': input should be a finite"),
+    "top-p-zero": (["run", "--top-p", "0"], r"argument --top-p: '0': input should be greater than 0"),
+    "zero-threads": (["run", "--threads", "0"], r"argument --threads: '0': input should be greater than or equal to 1"),
+    "compare-without-spec": (["run", "--compare", "--no-spec"], r"--compare .*drop --no-spec"),
+    "missing-model": (["run", "--model", "/no/such/model.gguf"], r"--model /no/such/model.gguf: no such file"),
+    "bad-device": (["run", "--device", "nodevice"], r"--device nodevice: not a torch device"),
+    "unusable-device": (["run", "--device", "cuda:99"], r"--device cuda:99: cannot allocate there"),
+    "bad-batch-sizes": (["bench", "--batch-sizes", "1,x"], r"argument --batch-sizes: 'x': input should be a valid "
+                                                          r"integer"),
+    "conformance-unavailable-backend": (["conformance", "--backend", "npu"], r"--backend npu: .*not available here"),
+    "conformance-missing-xfails": (["conformance", "--backend", "cpu", "--xfails", "/no/such/xfails.txt"],
+                                   r"--xfails /no/such/xfails.txt: no such file"),
+    "conformance-zero-examples": (["conformance", "--backend", "cpu", "--max-examples", "0"],
+                                  r"argument --max-examples: '0': input should be greater"),
+    "matrix-missing-report": (["matrix", "/no/such/report.json"], r"/no/such/report.json: cannot read"),
+}
+
+
+def check_one_error_line(code: int, out: str, err: str, message: str) -> None:
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert out == ""
+
+
+@pytest.mark.parametrize("case", list(USER_CASES))
+def test_a_mistake_is_one_error_line(case, bad_prompts):
+    args, message = USER_CASES[case]
+    done = run_cli(*(a.format(**bad_prompts) for a in args))
+    check_one_error_line(done.returncode, done.stdout, done.stderr, message)
+
+
+@pytest.mark.parametrize("case", list(MORE_CASES))
+def test_more_mistakes_are_one_error_line(case, bad_prompts, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("NGRAM_HAL_BACKEND", raising=False)
+    args, message = MORE_CASES[case]
+    try:
+        code = main([a.format(**bad_prompts) for a in args])
+    except SystemExit as exit_info:  # argparse's own errors end the program
+        code = exit_info.code
+    captured = capsys.readouterr()
+    check_one_error_line(code, captured.out, captured.err, message)
+
+
+def test_debug_env_shows_the_traceback():
+    done = run_cli("run", "--backend", "nosuch", env={"NGRAM_HAL_DEBUG": "1"})
+    assert done.returncode != 0
+    assert "Traceback (most recent call last)" in done.stderr and "no backend named 'nosuch'" in done.stderr
+
+
+def test_debug_flag_raises_the_error_itself():
+    with pytest.raises(CommandError, match="no backend named 'nosuch'"):
+        main(["run", "--backend", "nosuch", "--debug"])
+    with pytest.raises(CommandError, match="--xfails"):
+        main(["--debug", "conformance", "--backend", "cpu", "--xfails", "/no/such/xfails.txt"])

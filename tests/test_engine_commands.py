@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from ngram_hal.cli import main
 from ngram_hal.engine.commands import busy_note, choose_threads, summary_line
@@ -83,7 +84,8 @@ def test_run_compare_as_a_user_runs_it(tmp_path):
                    "--threads", "1", "--num-slots", "512", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     # What it is doing, on stderr: the load, the kernels, one labelled bar per run that ends full.
-    assert re.search(r"loaded \S+\.gguf in [\d.]+ s \(cpu backend on cpu, float32, 1 thread\)", done.stderr)
+    where = r"cuda backend on cuda(:\d)?, bfloat16" if torch.cuda.is_available() else r"cpu backend on cpu, float32"
+    assert re.search(rf"loaded \S+\.gguf in [\d.]+ s \({where}, 1 thread\)", done.stderr), done.stderr[-2000:]
     assert "kernels ready in" in done.stderr
     bars = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"(speculative|plain) +━+ (\d+)/(\d+) tokens",
                                                                        done.stderr)}

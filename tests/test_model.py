@@ -31,8 +31,8 @@ TINY = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_laye
                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 
-def _idx(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _idx(values, device="cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 class Session:
@@ -41,7 +41,8 @@ class Session:
     def __init__(self, model: LlamaModel, seed: int = 0):
         self.model = model
         self.kv = model.new_kv_cache(SLOTS)
-        self.table = torch.full((ROWS, MAX_CONTEXT), -1, dtype=torch.int64)
+        self.device = model.device
+        self.table = torch.full((ROWS, MAX_CONTEXT), -1, dtype=torch.int64, device=self.device)
         self.free = random.Random(seed).sample(range(SLOTS), SLOTS)
         self.lens = [0] * ROWS
 
@@ -55,16 +56,17 @@ class Session:
         for row, new in requests:
             start = self.lens[row]
             slots = self.take(len(new))
-            self.table[row, start:start + len(new)] = _idx(slots)
+            self.table[row, start:start + len(new)] = _idx(slots, self.device)
             self.lens[row] = start + len(new)
             ids += new
             pos += list(range(start, start + len(new)))
             locs += slots
             kv_lens.append(self.lens[row])
             q_lens.append(len(new))
-        batch = ForwardBatch(input_ids=_idx(ids), positions=_idx(pos), out_cache_loc=_idx(locs),
-                             req_to_token=self.table, req_pool_indices=_idx([r for r, _ in requests]),
-                             kv_lens=_idx(kv_lens), q_lens=_idx(q_lens), max_kv_len=max(kv_lens),
+        dev = self.device
+        batch = ForwardBatch(input_ids=_idx(ids, dev), positions=_idx(pos, dev), out_cache_loc=_idx(locs, dev),
+                             req_to_token=self.table, req_pool_indices=_idx([r for r, _ in requests], dev),
+                             kv_lens=_idx(kv_lens, dev), q_lens=_idx(q_lens, dev), max_kv_len=max(kv_lens),
                              logits_index=logits_index)
         return self.model.forward(batch, self.kv)
 
@@ -87,14 +89,16 @@ class Session:
         for row in rows:
             seq = self.lens[row]
             slots = self.take(D)
-            self.table[row, seq:seq + D] = _idx(slots)
+            self.table[row, seq:seq + D] = _idx(slots, self.device)
             pos += [seq + d for d in depth]
             locs += slots
             kv_lens.append(seq + D)
-        batch = ForwardBatch(input_ids=_idx([t for row_tokens in tokens for t in row_tokens]),
-                             positions=_idx(pos), out_cache_loc=_idx(locs), req_to_token=self.table,
-                             req_pool_indices=_idx(rows), kv_lens=_idx(kv_lens), q_lens=_idx([D] * len(rows)),
-                             tree_mask=mask.expand(len(rows), D, D).contiguous(), max_kv_len=max(kv_lens))
+        dev = self.device
+        batch = ForwardBatch(input_ids=_idx([t for row_tokens in tokens for t in row_tokens], dev),
+                             positions=_idx(pos, dev), out_cache_loc=_idx(locs, dev), req_to_token=self.table,
+                             req_pool_indices=_idx(rows, dev), kv_lens=_idx(kv_lens, dev),
+                             q_lens=_idx([D] * len(rows), dev),
+                             tree_mask=mask.expand(len(rows), D, D).contiguous().to(dev), max_kv_len=max(kv_lens))
         return self.model.forward(batch, self.kv)
 
 

@@ -134,6 +134,15 @@ class EngineStats:
         return self.decode_tokens / self.decode_rows if self.decode_rows else 0.0
 
 
+def graph_node_sizes(num_nodes: int) -> list[int]:
+    """Tree sizes a step can run with graphs on: the powers of two below ``num_nodes``, and it."""
+    sizes, n = [], 1
+    while n < num_nodes:
+        sizes.append(n)
+        n *= 2
+    return sizes + [num_nodes]
+
+
 def make_drafter(kind: str):
     """The drafter named ``kind`` (``"trie"`` or ``"linear"``) with its default settings."""
     from ..speculative.drafter import LinearDrafter, TrieDrafter
@@ -174,6 +183,7 @@ class Engine:
         self.graphs = None
         if self.config.graphs and self.backend.runtime.graph_capture and not self.backend.strict:
             self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, self.config.max_running)
+            self.graphs.capture_all(graph_node_sizes(self.num_nodes))
         self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
         self.relay = OverlapRelay.empty(self.num_nodes, self.device)
         self._last_done: tuple[str, float] | None = None

@@ -69,16 +69,20 @@ class StepGraphs:
                 return b
         raise ValueError(f"batch of {batch_size} requests exceeds max_batch {self.buckets[-1]}")
 
+    def capture_all(self, node_sizes) -> None:
+        """Capture every batch bucket for each tree size in ``node_sizes`` now, so that no step
+        pays a capture (kernel compilation included) later."""
+        for nodes in node_sizes:
+            for padded in self.buckets:
+                self._entry(padded, nodes)
+
     def forward(self, batch: ForwardBatch, nodes: int) -> torch.Tensor:
         """The logits of ``batch`` (B requests of ``nodes`` rows each, tree mask given when
         ``nodes > 1``): float32[B*nodes, V], a view valid until the next call with the same shape."""
         B = batch.req_pool_indices.shape[0]
         N = B * nodes
-        key = (self.bucket(B), nodes)
-        entry = self._entries.get(key)
-        fresh = entry is None
-        if fresh:
-            entry = self._entries[key] = self._static(*key)
+        padded = self.bucket(B)
+        entry = self._entry(padded, nodes)
         s = entry.batch
         s.input_ids[:N].copy_(batch.input_ids)
         s.positions[:N].copy_(batch.positions)
@@ -87,13 +91,29 @@ class StepGraphs:
         s.kv_lens[:B].copy_(batch.kv_lens)
         if nodes > 1:
             s.tree_mask[:B].copy_(batch.tree_mask)
-        if B < key[0]:
+        if B < padded:
             s.out_cache_loc[N:].fill_(-1)
             s.kv_lens[B:].fill_(0)
-        if fresh:
-            self._capture(entry)
         entry.graph.replay()
         return entry.logits[:N]
+
+    def _entry(self, padded: int, nodes: int) -> _Entry:
+        """The captured graph of one shape, capturing it on first use. Capture runs on inputs that
+        read no key and store no K/V, so it changes nothing in the cache."""
+        key = (padded, nodes)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._static(padded, nodes)
+            # An eager run first compiles the kernels and settles the allocations.
+            self.model.forward(entry.batch, self.kv)
+            self.runtime.synchronize()
+            graph = self.runtime.new_graph()
+            with self.runtime.capture(graph, pool=self.pool):
+                entry.logits = self.model.forward(entry.batch, self.kv)
+            entry.graph = graph
+            self.captures += 1
+            self._entries[key] = entry
+        return entry
 
     def _static(self, padded: int, nodes: int) -> _Entry:
         dev, N = self.model.device, padded * nodes
@@ -109,13 +129,3 @@ class StepGraphs:
                              kv_lens=index(padded, 0), q_lens=index(padded, nodes), tree_mask=tree_mask,
                              max_kv_len=self.req_to_token.shape[1], logits_index=None)
         return _Entry(batch, None, None)
-
-    def _capture(self, entry: _Entry) -> None:
-        # A first eager run compiles the kernels and settles allocations (it computes the real step).
-        self.model.forward(entry.batch, self.kv)
-        self.runtime.synchronize()
-        graph = self.runtime.new_graph()
-        with self.runtime.capture(graph, pool=self.pool):
-            entry.logits = self.model.forward(entry.batch, self.kv)
-        entry.graph = graph
-        self.captures += 1

@@ -207,7 +207,7 @@ class SlotAllocator:
             raise OutOfSlotsError(num_pages * self.page_size, self.available(), self.page_size)
 
     def _take(self, num_pages: int) -> None:
-        self._owned[self._free[:num_pages]] = True
+        self._owned.index_fill_(0, self._free[:num_pages], True)
         self._free = self._free[num_pages:]
 
     def __repr__(self) -> str:

@@ -35,7 +35,7 @@ from .launch import LaunchConfig, interpreting, num_programs_to_fill
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
@@ -91,13 +91,13 @@ def _attention_kernel(
             slot = tl.load(table_row + pos, mask=in_range, other=-1)
             key_ok = in_range & (slot >= 0) & (slot < S)
             offs = kv_base + slot * stride_slot
-            k = tl.load(k_ptr + offs[None, :] + cols[:, None], mask=key_ok[None, :] & col_ok[:, None], other=0.0)
+            k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             if IEEE:
-                qk = tl.dot(q, k, input_precision="ieee")
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                qk = tl.dot(q, k)
+                qk = tl.dot(q, tl.trans(k))
             rel = pos[None, :] - prefix
             if TREE_D > 0:
                 in_tree = (rel >= 0) & (rel < TREE_D)
@@ -226,7 +226,10 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tiles = plan.tiles(block_q)
     num_tiles = tiles.req.shape[0]
     block_d = max(16, _pow2(d))
-    block_n = cfg.attn_block_n(d, q.element_size())
+    # One query per request (decode) reads more keys per step; never in the batch-invariant mode,
+    # where decode and verify must walk the keys in the same blocks.
+    decode = tree is None and per_req == 1 and not layout.batch_invariant
+    block_n = cfg.attn_block_n(d, q.element_size(), decode)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
@@ -256,7 +259,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
         UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_num_stages, **cfg.options())
+        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
+        **cfg.options())
     if splits > 1:
         _merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
                                  BLOCK_D=block_d, num_warps=cfg.num_warps, **cfg.options())

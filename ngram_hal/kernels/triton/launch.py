@@ -22,9 +22,11 @@ class LaunchConfig:
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_min_split: fewest keys a split of the keys may hold.
-        attn_num_stages: software-pipelining stages of the attention key loop.
+        attn_num_stages: software-pipelining stages of the attention key loop (decode: one
+            more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
-            keys per step, ``BLOCK_N``).
+            keys per step, ``BLOCK_N``); decode programs (one query per request) read twice as
+            many per step.
         attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
         index_block: the most entries one program handles at once in the index kernels
             (``alloc_extend``, ``assign_req_to_token``, ``gather_cache_locs``,
@@ -60,7 +62,7 @@ class LaunchConfig:
     tile_bytes_per_thread: int = 128
     attn_block_m: int = 64
     attn_programs: int | None = None
-    attn_min_split: int = 256
+    attn_min_split: int = 512
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
@@ -69,9 +71,15 @@ class LaunchConfig:
     interpreted_tile: int = 1 << 18
     vocab_block: int = 4096
 
-    def attn_block_n(self, head_dim: int, elt_bytes: int) -> int:
-        """Keys per step of the attention loop: ``attn_key_bytes`` of K, 16 to 128 keys."""
-        return max(16, min(128, _pow2_floor(self.attn_key_bytes // max(1, head_dim * elt_bytes))))
+    def attn_block_n(self, head_dim: int, elt_bytes: int, decode: bool = False) -> int:
+        """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode),
+        16 to 128 keys."""
+        key_bytes = self.attn_key_bytes * (2 if decode else 1)
+        return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
+
+    def attn_stages(self, decode: bool = False) -> int:
+        """Pipelining stages of the attention key loop: one more for decode programs."""
+        return self.attn_num_stages + (1 if decode else 0)
 
     def attn_num_warps(self, block_m: int, block_d: int) -> int:
         """Warps of an attention program: ``attn_warps``, or 4 (8 for the largest tiles)."""

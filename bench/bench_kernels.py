@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,11 +77,24 @@ class Context:
     def device(self) -> torch.device:
         return self.cuda.device
 
+    def _scale(self, fn) -> float:
+        """How many of the configured repeats fit ``--budget-ms`` (1 when they all do), from one call."""
+        self.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        self.cuda.synchronize()
+        once_ms = 1e3 * (time.perf_counter() - start)
+        total_ms = once_ms * (self.args.repeats + self.args.graph_calls * (self.args.graph_replays + 2))
+        return min(1.0, self.args.budget_ms / max(total_ms, 1e-9))
+
     def eager_us(self, fn) -> float:
-        return 1e3 * median_ms(fn, self.cuda.synchronize, self.args.repeats, self.args.warmup)
+        repeats = max(3, int(self.args.repeats * self._scale(fn)))
+        return 1e3 * median_ms(fn, self.cuda.synchronize, repeats, self.args.warmup)
 
     def graph_us(self, fn) -> float | None:
-        ms = graph_ms(fn, self.device, self.args.graph_calls, self.args.graph_replays, self.args.warmup)
+        scale = self._scale(fn)
+        calls, replays = max(2, int(self.args.graph_calls * scale)), max(2, int(self.args.graph_replays * scale ** 0.5))
+        ms = graph_ms(fn, self.device, calls, replays, self.args.warmup)
         return None if ms is None else 1e3 * ms
 
     def time_pair(self, group: str, op: str, case: str, cuda_fn, ref_fn, **extra) -> dict:
@@ -399,6 +413,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--graph-calls", type=int, default=20, help="calls captured in one graph (default: 20)")
     parser.add_argument("--graph-replays", type=int, default=5, help="timed replays of the graph (default: 5)")
+    parser.add_argument("--budget-ms", type=float, default=2000.0,
+                        help="time one measurement may take; slow calls get fewer repeats (default: 2000)")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_kernels.json", help="where to write the JSON report")

@@ -107,7 +107,8 @@ class EngineStats:
     ``tree_nodes``: draft-tree nodes run per request, summed over decode steps.
     ``device_busy_s`` / ``device_idle_s``: device seconds from each step's first queued op to its
     results copy, and from one step's end to the next one's start, read from timing events (left
-    at 0 where the runtime has none, e.g. on the CPU).
+    at 0 where the runtime has none, e.g. on the CPU). ``draft_s``: host time in the drafter
+    (drafting trees and feeding it committed tokens), part of ``launch_s`` and ``critical_s``.
     """
 
     prefill_steps: int = 0
@@ -121,6 +122,7 @@ class EngineStats:
     critical_s: float = 0.0
     device_busy_s: float = 0.0
     device_idle_s: float = 0.0
+    draft_s: float = 0.0
 
     @property
     def device_idle_fraction(self) -> float:
@@ -418,7 +420,9 @@ class Engine:
         relay, r2t = self.relay, self.sched.req_to_token
         seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
         if n > 1:
+            drafting = time.perf_counter()
             draft = self.drafter.draft([r.rid for r in reqs], n)
+            self.stats.draft_s += time.perf_counter() - drafting
             # Nodes past every tree's drafted count are padding: run the step on the first n of
             # them (BFS order keeps each parent before its children), 1 when nothing was drafted.
             n = int(draft.drafted.max())
@@ -508,7 +512,9 @@ class Engine:
             if r.finished:
                 ended.append(r)
             elif self.drafter is not None:
+                drafting = time.perf_counter()
                 self.drafter.extend(r.rid, run)
+                self.stats.draft_s += time.perf_counter() - drafting
         self._release(ended)
         step.absorbed = True
         self._observe(step, rows, committed)

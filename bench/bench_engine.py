@@ -1,30 +1,523 @@
-"""Engine benchmark: overlap on vs off, speculation on/off/auto, batch sizes, memory.
+"""Engine matrix: batch sizes x plain/speculative/auto x graphs and overlap on/off, and the batch-invariant mode.
 
-The same measurement as ``ngram-hal bench`` (see :func:`ngram_hal.engine.commands.bench_command`),
-runnable from a checkout:
+For each batch size B, B requests cycling over the prompts (the bundled ones by default; at B = 1
+each prompt runs alone, one after another), greedy, these runs (``--runs`` picks some; D0 is the
+first of ``--spec-nodes``):
 
-    python bench/bench_engine.py --threads 1 --max-new-tokens 48 --requests 4 --batch-sizes 1
-    python bench/bench_engine.py --backend cpu --device cuda      # the overlap loop on a GPU
+  plain, plain-nooverlap, plain-nographs,    plain decode (D = 1), captured graphs and the overlap
+  plain-nographs-nooverlap                   loop each on or off
+  spec{D} for D in --spec-nodes              speculation, trie drafter, D nodes on every step
+  spec{D0}-nooverlap                         the same without overlap
+  auto{D0}                                   the auto policy (1, 2, 4, ... or D0 nodes a step)
+  invariant-plain, invariant-spec{D0}        the model loaded again with batch_invariant=True;
+                                             only where the backend runs Triton model kernels
 
-Per run: tokens/s, tokens per verify step, wall time per decode step, the host work done on a
-step's results per step, split into the part hidden behind the next step ("hidden": done after
-the next step was enqueued) and the part on the critical path, the time blocked waiting for the
-device, speedups against plain decode without overlap, and whether the tokens are identical.
-JSON (default reports/bench_engine.json) adds the KV cache bytes and the peak RSS.
+Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
+timed on the same engine with a fresh drafter and speculation policy. Per run: tokens/s with the
+prefill and decode-only tokens/s (tokens after each request's first, over the time after the last
+request got its first token), tokens per verify step, steps by the tree size the policy chose (a
+step runs fewer nodes when no draft fills the tree: ``mean_tree_nodes``), the device's idle time
+between steps (over the decode window), peak device memory, host ms per step hidden behind the
+device or on its critical path, token ids. On CUDA a short extra pass per run under
+``torch.profiler`` counts GPU kernels, host launch calls and GPU busy ms per decode step
+(``--profile-steps``). Ratios against plain decode of the same batch (graphs and overlap on) and
+against the old baseline (graphs and overlap off); how many requests give the same greedy tokens
+with speculation as without, in each mode; the engine's GPU targets, measured (never an exit code).
+A run that fails is recorded with its error and the others go on (exit code 1 at the end); the
+JSON is rewritten after every run.
+
+    python bench/bench_engine.py --device cuda                     # everything, on a GPU
+    python bench/bench_engine.py --device cuda --runs plain,spec8 --batch-sizes 1
+    python bench/bench_engine.py --backend cpu --quick             # tiny, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from ngram_hal.engine.commands import add_bench_arguments, bench_command
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rich.console import Console  # noqa: E402
+
+from common import (error_text, fresh_drafting, make_console, make_table, peak_memory, peak_rss_bytes,  # noqa: E402
+                    release_memory, report_header, reset_peak_memory, write_json, write_report)
+from step_profile import profile_steps  # noqa: E402
+
+from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
+from ngram_hal.engine.commands import (Setup, add_model_arguments, check_tree_room, int_list,  # noqa: E402
+                                       prompt_specs)
+from ngram_hal.engine.request import SamplingParams  # noqa: E402
+from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
+from ngram_hal.options import POSITIVE_INT  # noqa: E402
+
+SCHEMA = "ngram-hal-bench-engine/1"
+FULL = {"batch_sizes": [1, 16, 64], "max_new_tokens": 128, "spec_nodes": [8, 16]}
+QUICK = {"batch_sizes": [1, 2], "max_new_tokens": 3, "spec_nodes": [4]}
+"""Defaults of the full matrix and of ``--quick`` (one prompt of each kind, the shortest)."""
+PLAIN, OLD = "plain", "plain-nographs-nooverlap"
+"""The run every other is compared with, and the old baseline (no graphs, no overlap)."""
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_bench_arguments(parser)
-    return bench_command(parser.parse_args())
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One configuration of the matrix."""
+
+    name: str
+    spec_nodes: int
+    policy: str = "always"
+    graphs: bool = True
+    overlap: bool = True
+    invariant: bool = False
+
+    @property
+    def plain_name(self) -> str:
+        """The plain run of the same model mode, whose tokens this run's must equal."""
+        return "invariant-plain" if self.invariant else PLAIN
+
+
+def run_configs(spec_nodes: Sequence[int]) -> list[RunConfig]:
+    """Every configuration of the matrix, in run order, for the speculative tree sizes ``spec_nodes``."""
+    d = spec_nodes[0]
+    return [RunConfig(PLAIN, 1), RunConfig("plain-nooverlap", 1, overlap=False),
+            RunConfig("plain-nographs", 1, graphs=False), RunConfig(OLD, 1, graphs=False, overlap=False),
+            *(RunConfig(f"spec{D}", D) for D in spec_nodes), RunConfig(f"spec{d}-nooverlap", d, overlap=False),
+            RunConfig(f"auto{d}", d, policy="auto"), RunConfig("invariant-plain", 1, invariant=True),
+            RunConfig(f"invariant-spec{d}", d, invariant=True)]
+
+
+def _name_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated run names")
+    return names
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options; list defaults depend on ``--quick`` (see :data:`FULL` and :data:`QUICK`)."""
+    parser = Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", metavar="FILE.jsonl", default=None, help="prompts (default: the bundled ones)")
+    parser.add_argument("--batch-sizes", type=int_list, default=None, metavar="B,...",
+                        help="comma-separated batch sizes (default 1,16,64; quick 1,2)")
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=None, metavar="N",
+                        help="at most N new tokens per request (default 128; quick 3)")
+    parser.add_argument("--spec-nodes", type=int_list, default=None, metavar="D,...",
+                        help="speculative tree sizes; the first also runs without overlap, with auto and "
+                             "batch-invariant (default 8,16; quick 4)")
+    parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
+                        help="only these runs (default: all; names in the description)")
+    parser.add_argument("--profile-steps", type=int, default=20, metavar="N",
+                        help="decode steps profiled per run for kernels and launches, on CUDA (default 20; 0: off)")
+    parser.add_argument("--max-context-len", type=POSITIVE_INT, default=2048,
+                        help="positions per request (default 2048)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="CPU threads (default: as ngram-hal run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny matrix for a smoke test: batches 1,2, 3 tokens, D 4, two short prompts")
+    parser.add_argument("--json", metavar="PATH", default="reports/bench_engine.json",
+                        help="JSON report (default reports/bench_engine.json)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.profile_steps < 0:
+        parser.error(f"argument --profile-steps: {args.profile_steps}: expected 0 or more")
+    args.spec_nodes = list(dict.fromkeys(args.spec_nodes))
+    if min(args.spec_nodes) < 2:
+        parser.error(f"argument --spec-nodes: {min(args.spec_nodes)}: a speculative tree has at least 2 nodes")
+    # What Setup reads besides the options above: one model, in the default mode; the trie drafter.
+    args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", 16384
+    return args
+
+
+def selected_configs(args: argparse.Namespace) -> list[RunConfig]:
+    """The configurations ``--runs`` asks for, in run order; a CommandError names an unknown one."""
+    configs = run_configs(args.spec_nodes)
+    if args.runs is None:
+        return configs
+    known = [c.name for c in configs]
+    unknown = [name for name in args.runs if name not in known]
+    if unknown:
+        raise CommandError(f"--runs {unknown[0]}: no such run with --spec-nodes "
+                           f"{','.join(map(str, args.spec_nodes))} (choose from {', '.join(known)})")
+    return [c for c in configs if c.name in args.runs]
+
+
+def quick_prompts(specs: Sequence[PromptSpec]) -> list[PromptSpec]:
+    """The shortest prompt (in characters) of each kind, in first-seen order of the kinds."""
+    def size(spec: PromptSpec) -> int:
+        return sum(len(m.get("content", "")) for m in spec.messages)
+
+    return [min((s for s in specs if s.kind == kind), key=size) for kind in dict.fromkeys(s.kind for s in specs)]
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def kind_totals(results: Sequence[RunResult], batch: int) -> dict[str, dict]:
+    """Per prompt kind: requests, tokens, verify steps, tokens per verify step; at B = 1, where each
+    request ran alone, also tokens/s and decode-only tokens/s (None in a mixed batch)."""
+    out = {}
+    records = [(r, rec) for r in results for rec in r.requests]
+    for kind in dict.fromkeys(rec.kind for _, rec in records):
+        mine = [rec for _, rec in records if rec.kind == kind]
+        decode = sum(max(len(rec.token_ids) - 1, 0) for rec in mine)
+        steps = sum(rec.verify_steps for rec in mine)
+        entry = {"requests": len(mine), "output_tokens": sum(len(rec.token_ids) for rec in mine),
+                 "decode_tokens": decode, "verify_steps": steps,
+                 "tokens_per_verify_step": decode / steps if steps else 0.0,
+                 "tokens_per_s": None, "decode_tokens_per_s": None}
+        if batch == 1:
+            alone = RunTotals.combine([r.totals for r, rec in records if rec.kind == kind])
+            entry.update(tokens_per_s=alone.tokens_per_s, decode_tokens_per_s=alone.decode_tokens_per_s)
+        out[kind] = entry
+    return out
+
+
+def summarize(results: Sequence[RunResult], chosen: Counter) -> dict:
+    """The JSON of a timed run made of ``results`` (one per prompt at B = 1, else one)."""
+    totals = RunTotals.combine([r.totals for r in results])
+    records = [rec for r in results for rec in r.requests]
+    steps = max(totals.decode_steps + totals.prefill_steps, 1)
+    return {"totals": totals.model_dump(),
+            "steps_by_tree_size": {str(n): c for n, c in sorted(chosen.items())},
+            "mean_tree_nodes": totals.tree_nodes / totals.decode_steps if totals.decode_steps else 0.0,
+            "host_ms_per_step": {"hidden": 1e3 * totals.hidden_host_s / steps,
+                                 "critical": 1e3 * totals.critical_host_s / steps},
+            "requests": [rec.id for rec in records], "kinds": [rec.kind for rec in records],
+            "finish_reasons": [rec.finish_reason for rec in records],
+            "verify_steps": [rec.verify_steps for rec in records],
+            "request_errors": [rec.error for rec in records if rec.error],
+            "token_ids": [rec.token_ids for rec in records]}
+
+
+def profile_budget(steps: int, spec_nodes: int) -> SamplingParams:
+    """Sampling for the profiled pass: greedy, EOS ignored, room for the lead-in and the window."""
+    return SamplingParams(max_new_tokens=(2 * steps + 4) * spec_nodes, ignore_eos=True)
+
+
+def measure(setup: Setup, model, cfg: RunConfig, batch: int, workload: list[PromptSpec],
+            prompt_lens: dict[str, int], args: argparse.Namespace) -> dict:
+    """Warm up and time one configuration at one batch size, then profile it on CUDA; the JSON row.
+
+    Any exception is recorded in the row (``status: "error"``) instead of raised.
+    """
+    row = not_run(cfg, batch, "ok", None)
+    device = setup.backend.device
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    tokenizer = setup.tokenizer
+    groups = [[s] for s in workload] if batch == 1 else [workload]
+    profiling = args.profile_steps > 0 and device.type == "cuda"
+    longest = max(prompt_lens[s.id] for s in workload)
+    budget = profile_budget(args.profile_steps, cfg.spec_nodes)
+    new = max(args.max_new_tokens, budget.max_new_tokens if profiling else 0)
+    num_slots = batch * min(args.max_context_len, longest + new + 3 * cfg.spec_nodes)
+    engine = None
+    try:
+        engine = setup.engine(cfg.spec_nodes, cfg.overlap, batch, cfg.policy, graphs=cfg.graphs,
+                              num_slots=num_slots, model=model)
+        start = time.perf_counter()
+        warm = [run_prompts(engine, tokenizer, g, params) for g in groups]
+        row["warmup_s"] = time.perf_counter() - start
+        captures = engine.graphs.captures if engine.graphs is not None else None
+        reset_peak_memory(device)
+        timed, chosen = [], Counter()
+        for g in groups:
+            fresh_drafting(engine)
+            timed.append(run_prompts(engine, tokenizer, g, params))
+            chosen.update(engine.policy.chosen)
+        row["peak_device_memory_bytes"] = peak_memory(device)
+        row.update(summarize(timed, chosen))
+        row["by_kind"] = kind_totals(timed, batch)
+        row["same_as_warmup"] = [r.token_ids for w in warm for r in w.requests] == row["token_ids"]
+        row["graphs_used"] = engine.graphs is not None
+        # Graphs captured in the warm-up, and in the timed run (0 expected: the same shapes recur).
+        row["graph_captures"] = captures
+        row["graph_captures_timed"] = engine.graphs.captures - captures if engine.graphs is not None else None
+        row["kv_cache_bytes"] = engine.kv.nbytes
+        row["profile"] = None
+        if profiling:
+            fresh_drafting(engine)
+            profiled = workload[:1] if batch == 1 else workload  # at B = 1, the first prompt alone
+            prompts = [tokenizer.encode_chat(s.messages) for s in profiled]
+            try:
+                row["profile"] = {"requests": [s.id for s in profiled],
+                                  **profile_steps(engine, prompts, budget, args.profile_steps)}
+            except Exception as exc:  # the timed figures stand without the profile
+                row["profile"] = {"error": error_text(exc)}
+    except Exception as exc:  # one failing configuration must not end the matrix
+        row.update(status="error", error=error_text(exc), traceback=traceback.format_exc()[-3000:])
+    finally:
+        del engine
+        release_memory(device)
+    return row
+
+
+def not_run(cfg: RunConfig, batch: int, status: str, reason: str) -> dict:
+    """The row of a configuration that did not run: ``status`` "skipped" or "error", and why."""
+    return {"batch": batch, "run": cfg.name, **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"},
+            "status": status, "error": reason}
+
+
+# ---------------------------------------------------------------------------- derived figures
+
+
+def _find(rows: Sequence[dict], batch: int, name: str) -> dict | None:
+    """The successful run ``name`` at ``batch``, or None."""
+    return next((r for r in rows if r["batch"] == batch and r["run"] == name and r["status"] == "ok"), None)
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    if base is None or not base["totals"]["tokens_per_s"]:
+        return None
+    return row["totals"]["tokens_per_s"] / base["totals"]["tokens_per_s"]
+
+
+def same_tokens(row: dict, plain: dict | None) -> dict | None:
+    """Requests of ``row`` whose tokens equal those of ``plain`` (the same requests): counts and the
+    ids of those that differ; None without a plain run."""
+    if plain is None:
+        return None
+    differ = [rid for rid, a, b in zip(row["requests"], row["token_ids"], plain["token_ids"]) if a != b]
+    return {"same": len(row["requests"]) - len(differ), "of": len(row["requests"]), "differ": differ}
+
+
+def add_comparisons(rows: list[dict], configs: Sequence[RunConfig]) -> None:
+    """Each successful row gets ``vs_plain``, ``vs_old`` (tokens/s ratios at the same batch) and
+    ``same_tokens_as_plain`` (against the plain run of its model mode)."""
+    plain_of = {c.name: c.plain_name for c in configs}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        b = row["batch"]
+        row["vs_plain"] = _ratio(row, _find(rows, b, PLAIN))
+        row["vs_old"] = _ratio(row, _find(rows, b, OLD))
+        row["same_tokens_as_plain"] = same_tokens(row, _find(rows, b, plain_of[row["run"]]))
+
+
+def exactness(rows: Sequence[dict]) -> list[dict]:
+    """Speculative runs against plain decoding of the same model mode: requests with the same tokens."""
+    out = []
+    for row in rows:
+        same = row.get("same_tokens_as_plain")
+        if row["status"] == "ok" and row["spec_nodes"] > 1 and same is not None:
+            out.append({"batch": row["batch"], "run": row["run"],
+                        "mode": "invariant" if row["invariant"] else "default", **same})
+    return out
+
+
+def _target(name: str, goal: str, measured, met: Callable[[float], bool], run: str | None) -> dict:
+    return {"target": name, "goal": goal, "measured": measured, "run": run,
+            "met": None if measured is None else bool(met(measured))}
+
+
+def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Sequence[int]) -> list[dict]:
+    """The engine's GPU targets, measured: plain and speculative tokens/s at batch 1, the device's idle
+    time, batch 64, auto against plain at every batch, greedy exactness. ``met`` is None where the
+    run is missing or failed (or, for idle time, where the device has no timing events)."""
+    names = {c.name for c in configs}
+    spec = [c.name for c in configs if c.spec_nodes > 1 and not c.invariant and c.graphs and c.overlap]
+    d0 = next((c for c in configs if c.name.startswith("spec") and c.overlap), None)
+    out = []
+    plain1 = _find(rows, 1, PLAIN)
+    out.append(_target("plain decode, batch 1 (tok/s)", ">= 1000",
+                       plain1["totals"]["tokens_per_s"] if plain1 else None, lambda v: v >= 1000, "B=1 plain"))
+    best = None
+    for name in spec:
+        row = _find(rows, 1, name)
+        copy = row["by_kind"].get("copy") if row else None
+        if copy and copy["tokens_per_s"] is not None and (best is None or copy["tokens_per_s"] > best[0]):
+            best = (copy["tokens_per_s"], f"B=1 {name}")
+    out.append(_target("speculation, copy-heavy prompts, batch 1 (tok/s)", ">= 2500",
+                       best[0] if best else None, lambda v: v >= 2500, best[1] if best else None))
+    for name in [PLAIN] + ([d0.name] if d0 else []):
+        row = _find(rows, 1, name)
+        measured = None
+        if row and row["totals"]["device_busy_s"] > 0:
+            measured = row["totals"]["device_idle_fraction"]
+        out.append(_target(f"device idle between steps, {name}, batch 1 (graphs, overlap)", "< 10%",
+                           measured, lambda v: v < 0.10, f"B=1 {name}"))
+    plain64 = _find(rows, 64, PLAIN)
+    out.append(_target("plain decode, batch 64 (tok/s)", ">= 20000",
+                       plain64["totals"]["tokens_per_s"] if plain64 else None, lambda v: v >= 20000, "B=64 plain"))
+    for name in sorted(n for n in names if n.startswith("auto")):
+        for b in batch_sizes:
+            row = _find(rows, b, name)
+            out.append(_target(f"{name} / plain, batch {b}", ">= 0.95x", row.get("vs_plain") if row else None,
+                               lambda v: v >= 0.95, f"B={b} {name}"))
+    checks = exactness(rows)
+    for mode in ("default", "invariant"):
+        mine = [c for c in checks if c["mode"] == mode]
+        same, total = sum(c["same"] for c in mine), sum(c["of"] for c in mine)
+        out.append({"target": f"greedy with speculation == without, {mode} mode (requests)",
+                    "goal": "all", "measured": f"{same}/{total}" if mine else None,
+                    "run": "every speculative run" if mine else None, "met": same == total if mine else None})
+    return out
+
+
+def derive(report: dict, configs: Sequence[RunConfig], batch_sizes: Sequence[int]) -> None:
+    """Fill in the comparisons, the exactness counts and the targets from ``report["runs"]``."""
+    rows = report["runs"]
+    add_comparisons(rows, configs)
+    report["exactness"] = exactness(rows)
+    report["targets"] = targets(rows, configs, batch_sizes)
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _f(value, fmt: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def print_tables(console: Console, report: dict) -> None:
+    rows = [r for r in report["runs"] if r["status"] == "ok"]
+    setup = report["setup"]
+    title = f"{setup['backend']} on {report['device_name']}, {setup['dtype']}"
+    speed = make_table(f"engine: speed ({title}; ratios against plain of the same batch, and old: no graphs, "
+                       "no overlap)",
+                       ("B", "run", "tok/s", "decode tok/s", "tok/verify", "nodes/step", "idle", "vs plain",
+                        "vs old", "same", "peak MiB"), left=("run",))
+    for r in rows:
+        t, same, peak = r["totals"], r.get("same_tokens_as_plain"), r["peak_device_memory_bytes"]
+        busy = t["device_busy_s"] > 0
+        speed.add_row(str(r["batch"]), r["run"], f"{t['tokens_per_s']:.1f}", f"{t['decode_tokens_per_s']:.1f}",
+                      f"{t['tokens_per_verify_step']:.2f}", f"{r['mean_tree_nodes']:.2f}",
+                      _pct(t["device_idle_fraction"] if busy else None), _f(r.get("vs_plain"), ".2f"),
+                      _f(r.get("vs_old"), ".2f"), f"{same['same']}/{same['of']}" if same else "-",
+                      _f(peak / 2**20 if peak is not None else None, ".0f"))
+    console.print(speed)
+    steps = make_table("engine: per step (host ms hidden behind the device / on its critical path; profiled "
+                       "decode steps: GPU kernels, host launch calls, GPU busy ms)",
+                       ("B", "run", "ms/step", "hidden", "critical", "kernels", "launches", "GPU ms", "tree sizes"),
+                       left=("run", "tree sizes"))
+    for r in rows:
+        t, prof = r["totals"], r["profile"] or {}
+        sizes = " ".join(f"{n}:{c}" for n, c in r["steps_by_tree_size"].items() if c)
+        steps.add_row(str(r["batch"]), r["run"], f"{t['ms_per_decode_step']:.2f}",
+                      f"{r['host_ms_per_step']['hidden']:.2f}", f"{r['host_ms_per_step']['critical']:.2f}",
+                      _f(prof.get("gpu_kernels_per_step"), ".0f", "error" if "error" in prof else "-"),
+                      _f(prof.get("host_launch_calls_per_step"), ".0f"), _f(prof.get("gpu_busy_ms_per_step"), ".3f"),
+                      sizes)
+    console.print(steps)
+    kinds = list(dict.fromkeys(k for r in rows for k in r["by_kind"]))
+    by_kind = make_table("engine: by prompt kind (tok/s only at B = 1, where each prompt runs alone)",
+                         ("B", "run", *(f"{k} tok/s" for k in kinds), *(f"{k} tok/verify" for k in kinds)),
+                         left=("run",))
+    for r in rows:
+        cells = [r["by_kind"].get(k, {}) for k in kinds]
+        by_kind.add_row(str(r["batch"]), r["run"], *(_f(c.get("tokens_per_s"), ".1f") for c in cells),
+                        *(_f(c.get("tokens_per_verify_step"), ".2f") for c in cells))
+    console.print(by_kind)
+    exact = make_table("greedy with speculation against without (same model mode): requests with the same tokens",
+                       ("B", "run", "mode", "same", "differ"), left=("run", "mode", "differ"))
+    for e in report["exactness"]:
+        exact.add_row(str(e["batch"]), e["run"], e["mode"], f"{e['same']}/{e['of']}", ", ".join(e["differ"]))
+    console.print(exact)
+    goals = make_table("targets (measured; not an exit code)", ("target", "goal", "measured", "met", "run"),
+                       left=("target", "run"))
+    for t in report["targets"]:
+        m = t["measured"]
+        shown = m if isinstance(m, str) or m is None else (_pct(m) if "idle" in t["target"] else
+                                                           f"{m:.2f}x" if t["goal"].endswith("x") else f"{m:.1f}")
+        goals.add_row(t["target"], t["goal"], shown or "not measured",
+                      {True: "yes", False: "no", None: "-"}[t["met"]], t["run"] or "")
+    console.print(goals)
+    for r in report["runs"]:
+        if r["status"] != "ok":
+            console.print(f"B={r['batch']} {r['run']}: {r['status']}: {r['error']}", style="yellow",
+                          highlight=False, markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run the matrix of the module docstring; 0, or 1 when a run failed (its error is in the JSON)."""
+    specs = prompt_specs(args)
+    if args.quick:
+        specs = quick_prompts(specs)
+    check_tree_room(max(args.spec_nodes), args.max_context_len)
+    configs = selected_configs(args)
+    console, status = make_console(), Console(stderr=True, soft_wrap=True)
+    setup = Setup(args, status)
+    backend, tokenizer = setup.backend, setup.tokenizer
+    prompt_lens = {s.id: len(tokenizer.encode_chat(s.messages)) for s in specs}
+    report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
+              "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
+                          "spec_nodes": args.spec_nodes, "profile_steps": args.profile_steps,
+                          "max_context_len": args.max_context_len, "quick": args.quick},
+              "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
+                           "max_new_tokens": s.max_new_tokens} for s in specs],
+              "configurations": [dataclasses.asdict(c) for c in configs], "runs": []}
+    invariant = None  # (model, status, reason), once the first invariant run asks for it
+    for batch in args.batch_sizes:
+        workload = [specs[i % len(specs)] for i in range(batch)] if batch > 1 else list(specs)
+        for cfg in configs:
+            start = time.perf_counter()
+            model, state, reason = setup.model, "ok", None
+            if cfg.invariant:
+                invariant = invariant or load_invariant(setup, status)
+                model, state, reason = invariant
+            if model is None:
+                row = not_run(cfg, batch, state, reason)
+            else:
+                with status.status(f"B={batch} {cfg.name} ..."):
+                    row = measure(setup, model, cfg, batch, workload, prompt_lens, args)
+            report["runs"].append(row)
+            status.print(run_line(row, time.perf_counter() - start), highlight=False, markup=False)
+            derive(report, configs, args.batch_sizes)
+            write_json(args.json, report)
+    report["peak_rss_bytes"] = peak_rss_bytes()
+    report["load_average"] = round(setup.load(), 2)
+    print_tables(console, report)
+    write_report(args.json, report, console)
+    setup.warn_if_busy(console)
+    failed = sum(r["status"] == "error" for r in report["runs"])
+    if failed:
+        console.print(f"{failed} of {len(report['runs'])} runs failed (errors in {args.json})", style="red",
+                      highlight=False)
+    return 1 if failed else 0
+
+
+def load_invariant(setup: Setup, status: Console) -> tuple:
+    """``(model, "ok", None)``: the model loaded again with ``batch_invariant=True``; or ``(None,
+    "skipped", why)`` where the backend runs no Triton model kernels, ``(None, "error", why)`` where
+    the load fails (the default-mode runs go on without it)."""
+    backend = setup.backend
+    if backend.model_kernels != "triton":
+        return None, "skipped", f"the batch-invariant mode needs Triton model kernels ('{backend.name}' runs torch)"
+    try:
+        with status.status("loading the model again, batch-invariant ..."):
+            return setup.load_model(batch_invariant=True), "ok", None
+    except Exception as exc:
+        return None, "error", f"loading the batch-invariant model: {error_text(exc)}"
+
+
+def run_line(row: dict, seconds: float) -> str:
+    """One line on the progress of the matrix."""
+    head = f"B={row['batch']} {row['run']}"
+    if row["status"] != "ok":
+        return f"{head}: {row['status']}: {row['error']}"
+    t = row["totals"]
+    return (f"{head}: {t['tokens_per_s']:.1f} tok/s, {t['decode_tokens_per_s']:.1f} decode tok/s, "
+            f"{t['tokens_per_verify_step']:.2f} tok/verify step ({seconds:.1f} s)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return report_errors(bench, args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """What the benchmark scripts share: the report header, the console and table, writing the JSON report,
-and the timers (host-timed calls, graph-replayed device time, copy bandwidth)."""
+resetting an engine's drafting, device memory figures, and the timers (host-timed calls,
+graph-replayed device time, copy bandwidth)."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import resource
@@ -33,8 +35,20 @@ def utc_now(timespec: str = "auto") -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec)
 
 
+def tool_versions(device: torch.device) -> dict:
+    """Triton's and the device driver's versions as the conformance suite reads them (None for
+    both where the suite, a distribution of its own, is not installed)."""
+    try:
+        from ngram_hal_conformance.report import collect_versions
+    except ImportError:
+        return {"triton": None, "driver": None}
+    found = collect_versions(None, str(device))
+    return {"triton": found.triton, "driver": found.driver}
+
+
 def report_header(schema: str, backend) -> dict:
-    """The first keys of a backend benchmark's report: schema, time, backend and device, versions, host."""
+    """The first keys of a backend benchmark's report: schema, time, backend and device, versions
+    (ngram-hal, torch and its CUDA or HIP, Triton, the device driver, Python), host."""
     return {
         "schema": schema,
         "created": utc_now("seconds"),
@@ -42,8 +56,8 @@ def report_header(schema: str, backend) -> dict:
         "device": str(backend.device),
         "device_name": device_name(backend.device),
         "proxy": backend.proxy,
-        "versions": {"ngram_hal": ngram_hal.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": {"ngram_hal": ngram_hal.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "hip": torch.version.hip, **tool_versions(backend.device), "python": platform.python_version()},
         "host": {"machine": platform.machine(), "torch_threads": torch.get_num_threads()},
     }
 
@@ -72,12 +86,61 @@ def make_table(title: str, columns: Iterable[str], left: Iterable[str] = ()) -> 
     return table
 
 
-def write_report(path: str | Path, report: dict, console: Console) -> None:
-    """Write ``report`` as indented JSON to ``path`` (creating its folder) and say where."""
+def write_json(path: str | Path, report: dict) -> None:
+    """Write ``report`` as indented JSON to ``path``, creating its folder; a reader never sees half
+    a file (it is written beside and renamed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(report, indent=2) + "\n")
+    part.replace(path)
+
+
+def write_report(path: str | Path, report: dict, console: Console) -> None:
+    """Write ``report`` as indented JSON to ``path`` (creating its folder) and say where."""
+    write_json(path, report)
     console.print(f"wrote {path}")
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception (the message's first 500 characters), for a report."""
+    return f"{type(exc).__name__}: {str(exc)[:500]}"
+
+
+# ------------------------------------------------------------------ engines
+
+
+def fresh_drafting(engine) -> None:
+    """Give an :class:`~ngram_hal.engine.engine.Engine` a new drafter and speculation policy, as a
+    new engine would have, keeping its captured graphs: what a warm-up taught them (the shared
+    n-gram corpus keeps every output it saw) must not help a timed run."""
+    from ngram_hal.engine.engine import make_drafter
+    from ngram_hal.engine.policy import SpecPolicy
+
+    config = engine.config
+    engine.drafter = make_drafter(config.drafter) if engine.num_nodes > 1 else None
+    engine.policy = SpecPolicy(engine.num_nodes, config.spec_policy, config.probe_every)
+
+
+# ------------------------------------------------------------------ device memory
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of allocated device memory (CUDA and ROCm; nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Bytes of device memory allocated at the peak since :func:`reset_peak_memory`; None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect garbage and hand the device allocator's free blocks back (CUDA and ROCm)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------ timers

@@ -244,12 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``ngram-hal`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def report_errors(func, args: argparse.Namespace) -> int:
+    """``func(args)``'s exit code, or an error reported in the command's style: ``error: ...`` on
+    one line on stderr and the code of the :class:`CommandError` (130 when interrupted, 1 for
+    anything else), no traceback unless ``args.debug`` or ``NGRAM_HAL_DEBUG=1``."""
     debug = getattr(args, "debug", False) or env_flag(DEBUG_ENV)
     try:
-        return int(args.func(args))
+        return int(func(args))
     except CommandError as exc:
         if debug:
             raise
@@ -266,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {error_line(exc)} (--debug or {DEBUG_ENV}=1 shows the traceback)",
               file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ngram-hal`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return report_errors(args.func, args)
 
 
 if __name__ == "__main__":

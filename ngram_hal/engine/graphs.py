@@ -1,14 +1,23 @@
-"""Decode and verify forwards captured once per batch bucket and tree size, then replayed.
+"""Decode and verify steps captured once per batch bucket and tree size, then replayed.
 
 A decode step with B requests and n tree nodes each runs the model over ``B*n`` rows. Its shapes
 are fixed by ``(B, n)``; every size that depends on data is given a bound instead (attention reads
 keys up to the request table's width, which bounds every ``kv_len``), so one captured graph serves
-every step of that shape. Batches are padded up to the next bucket: padding requests read no keys
-(``kv_len`` 0) and store no K/V (slot -1), and their logits are ignored.
+every step of that shape. Batches are padded up to the next bucket.
+
+Two kinds of graph:
+
+* a **greedy step** (:class:`GreedyStep`): the whole verify step of greedy requests, from the
+  tree's tokens, mask, rows and lengths to the committed tokens: retrieve links, cache
+  locations, the model forward, greedy verify and the KV compaction, about ten launches of the
+  HAL's ops and the model's few hundred kernels in one replay. Padding requests store no K/V (their
+  cache locations are forced to -1), so every move they produce has a -1 source and does nothing.
+* a **forward** (:meth:`StepGraphs.forward`): the model forward alone, for steps that sample or
+  want log-probabilities; padding requests read no keys (``kv_len`` 0) and store no K/V.
 
 Capture and replay go through the backend's runtime (``graph_capture``, ``new_graph``,
 ``capture``), never a vendor module. Where the runtime cannot capture (the CPU), :class:`StepGraphs`
-is not used.
+is not used; :class:`GreedyStep` also runs eagerly, which is how its padding is tested there.
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import ForwardBatch, LlamaModel
 from ..memory.kv_cache import KVCache
+from ..speculative.relay import OverlapRelay
+from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
+from .model import ForwardBatch, LlamaModel
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -30,9 +41,70 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+class GreedyStep:
+    """The static inputs and the computation of one greedy verify step of ``padded`` requests of
+    ``nodes`` tree nodes each (``nodes == 1``: a plain decode step).
+
+    :meth:`load` copies a step's inputs in (the first B requests; the rest are padding) and
+    :meth:`run` computes it; :meth:`result` is the relay of the B real requests. A captured graph
+    replays :meth:`run` over the same buffers.
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, nodes: int):
+        self.model, self.kv, self.req_to_token = model, kv, req_to_token
+        self.padded, self.nodes = padded, nodes
+        dev, N = model.device, padded * nodes
+
+        def index(n: int, fill: int) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=torch.int64, device=dev)
+
+        self.tokens = index(N, 0)
+        self.rows = index(padded, 0)
+        self.seq_lens = index(padded, 0)
+        self.count = index(1, 0)
+        self.q_lens = index(padded, nodes)
+        self.tree_mask = torch.eye(nodes, dtype=torch.bool, device=dev).expand(padded, nodes, nodes).contiguous()
+        self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def load(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
+             seq_lens: torch.Tensor) -> None:
+        """Copy in a step of B requests: tokens int64[B*n], tree_mask bool[B, n, n] (None when
+        ``nodes == 1``), rows and seq_lens int64[B]."""
+        B = rows.shape[0]
+        self.tokens[:B * self.nodes].copy_(tokens)
+        if self.nodes > 1:
+            self.tree_mask[:B].copy_(tree_mask)
+        self.rows[:B].copy_(rows)
+        self.seq_lens[:B].copy_(seq_lens)
+        self.count.fill_(B)
+        if B < self.padded:
+            self.rows[B:].fill_(0)
+            self.seq_lens[B:].fill_(0)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step over the loaded buffers: ``(accept_tokens[Bp*n], accept_lens[Bp], new_seq_lens[Bp])``."""
+        be, n, r2t = self.model.backend, self.nodes, self.req_to_token
+        tree = prepare_tree(be, self.tokens, self.tree_mask, self.seq_lens)
+        live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
+        locs = torch.where(live, tree_cache_locs(be, r2t, self.rows, self.seq_lens, n), -1)
+        batch = ForwardBatch(input_ids=self.tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=r2t,
+                             req_pool_indices=self.rows, kv_lens=self.seq_lens + n, q_lens=self.q_lens,
+                             tree_mask=self.tree_mask if n > 1 else None, max_kv_len=r2t.shape[1])
+        logits = self.model.forward(batch, self.kv)
+        relay = commit(be, self.kv, verify_greedy(be, tree, logits), locs, r2t, self.rows, self.seq_lens)
+        self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)
+        return self.outputs
+
+    def result(self, batch_size: int) -> OverlapRelay:
+        """The relay of the first ``batch_size`` requests after :meth:`run` (views of its outputs)."""
+        tokens, lens, seq_lens = self.outputs
+        return OverlapRelay(tokens[:batch_size * self.nodes], lens[:batch_size], seq_lens[:batch_size], self.nodes)
+
+
 @dataclass
-class _Entry:
-    """The static inputs of one captured shape, its graph and its output (float32[Bp*n, V])."""
+class _Forward:
+    """The static inputs of one captured forward, its graph and its output (float32[Bp*n, V])."""
 
     batch: ForwardBatch
     graph: object
@@ -40,7 +112,7 @@ class _Entry:
 
 
 class StepGraphs:
-    """Captured forwards of decode and verify steps.
+    """Captured decode and verify steps.
 
     Args:
         model: the target model (its backend's runtime must offer graph capture).
@@ -59,7 +131,8 @@ class StepGraphs:
         self.runtime = runtime
         self.buckets = batch_buckets(max_batch)
         self.pool = runtime.new_graph_pool()
-        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._steps: dict[tuple[int, int], tuple[GreedyStep, object]] = {}
+        self._forwards: dict[tuple[int, int], _Forward] = {}
         self.captures = 0
 
     def bucket(self, batch_size: int) -> int:
@@ -70,11 +143,21 @@ class StepGraphs:
         raise ValueError(f"batch of {batch_size} requests exceeds max_batch {self.buckets[-1]}")
 
     def capture_all(self, node_sizes) -> None:
-        """Capture every batch bucket for each tree size in ``node_sizes`` now, so that no step
-        pays a capture (kernel compilation included) later."""
+        """Capture the greedy step of every batch bucket for each tree size in ``node_sizes`` now,
+        so that no greedy step pays a capture (kernel compilation included) later."""
         for nodes in node_sizes:
             for padded in self.buckets:
-                self._entry(padded, nodes)
+                self._step(padded, nodes)
+
+    def greedy_step(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
+                    seq_lens: torch.Tensor, nodes: int) -> OverlapRelay:
+        """Replay the greedy verify step of B requests (see :meth:`GreedyStep.load`); the relay
+        it returns is a view valid until the next step of the same shape."""
+        B = rows.shape[0]
+        step, graph = self._step(self.bucket(B), nodes)
+        step.load(tokens, tree_mask, rows, seq_lens)
+        graph.replay()
+        return step.result(B)
 
     def forward(self, batch: ForwardBatch, nodes: int) -> torch.Tensor:
         """The logits of ``batch`` (B requests of ``nodes`` rows each, tree mask given when
@@ -82,7 +165,7 @@ class StepGraphs:
         B = batch.req_pool_indices.shape[0]
         N = B * nodes
         padded = self.bucket(B)
-        entry = self._entry(padded, nodes)
+        entry = self._forward(padded, nodes)
         s = entry.batch
         s.input_ids[:N].copy_(batch.input_ids)
         s.positions[:N].copy_(batch.positions)
@@ -97,35 +180,42 @@ class StepGraphs:
         entry.graph.replay()
         return entry.logits[:N]
 
-    def _entry(self, padded: int, nodes: int) -> _Entry:
-        """The captured graph of one shape, capturing it on first use. Capture runs on inputs that
-        read no key and store no K/V, so it changes nothing in the cache."""
+    def _capture(self, fn):
+        """A graph of ``fn`` and its result. An eager run first compiles the kernels and settles the
+        allocations; capture runs on inputs that store no K/V, so neither changes the cache."""
+        fn()
+        self.runtime.synchronize()
+        graph = self.runtime.new_graph()
+        with self.runtime.capture(graph, pool=self.pool):
+            out = fn()
+        self.captures += 1
+        return graph, out
+
+    def _step(self, padded: int, nodes: int) -> tuple[GreedyStep, object]:
         key = (padded, nodes)
-        entry = self._entries.get(key)
+        found = self._steps.get(key)
+        if found is None:
+            step = GreedyStep(self.model, self.kv, self.req_to_token, padded, nodes)
+            graph, _ = self._capture(step.run)
+            found = self._steps[key] = (step, graph)
+        return found
+
+    def _forward(self, padded: int, nodes: int) -> _Forward:
+        key = (padded, nodes)
+        entry = self._forwards.get(key)
         if entry is None:
-            entry = self._static(padded, nodes)
-            # An eager run first compiles the kernels and settles the allocations.
-            self.model.forward(entry.batch, self.kv)
-            self.runtime.synchronize()
-            graph = self.runtime.new_graph()
-            with self.runtime.capture(graph, pool=self.pool):
-                entry.logits = self.model.forward(entry.batch, self.kv)
-            entry.graph = graph
-            self.captures += 1
-            self._entries[key] = entry
+            dev, N = self.model.device, padded * nodes
+
+            def index(n: int, fill: int) -> torch.Tensor:
+                return torch.full((n,), fill, dtype=torch.int64, device=dev)
+
+            tree_mask = None
+            if nodes > 1:
+                tree_mask = torch.eye(nodes, dtype=torch.bool, device=dev).expand(padded, nodes, nodes).contiguous()
+            batch = ForwardBatch(input_ids=index(N, 0), positions=index(N, 0), out_cache_loc=index(N, -1),
+                                 req_to_token=self.req_to_token, req_pool_indices=index(padded, 0),
+                                 kv_lens=index(padded, 0), q_lens=index(padded, nodes), tree_mask=tree_mask,
+                                 max_kv_len=self.req_to_token.shape[1], logits_index=None)
+            graph, logits = self._capture(lambda: self.model.forward(batch, self.kv))
+            entry = self._forwards[key] = _Forward(batch, graph, logits)
         return entry
-
-    def _static(self, padded: int, nodes: int) -> _Entry:
-        dev, N = self.model.device, padded * nodes
-
-        def index(n: int, fill: int) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=torch.int64, device=dev)
-
-        tree_mask = None
-        if nodes > 1:
-            tree_mask = torch.eye(nodes, dtype=torch.bool, device=dev).expand(padded, nodes, nodes).contiguous()
-        batch = ForwardBatch(input_ids=index(N, 0), positions=index(N, 0), out_cache_loc=index(N, -1),
-                             req_to_token=self.req_to_token, req_pool_indices=index(padded, 0),
-                             kv_lens=index(padded, 0), q_lens=index(padded, nodes), tree_mask=tree_mask,
-                             max_kv_len=self.req_to_token.shape[1], logits_index=None)
-        return _Entry(batch, None, None)

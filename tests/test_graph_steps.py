@@ -1,0 +1,85 @@
+"""The greedy verify step that graphs capture (``ngram_hal.engine.graphs.GreedyStep``), run eagerly
+on the CPU: padded to a larger batch, it commits what the op-by-op step commits for the real
+requests and leaves every other slot of the cache as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_hal.engine.graphs import GreedyStep
+from ngram_hal.engine.model import ForwardBatch, LlamaModel
+from ngram_hal.reference import CpuBackend
+from ngram_hal.speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
+from test_model import TINY
+
+I64 = torch.int64
+PROMPTS = [[1, 5, 9, 14, 3, 22, 7], [1, 40, 41, 8, 8]]
+
+
+def _state(model: LlamaModel):
+    """A cache and a table holding both prompts' K/V (rows 1 and 3 of four), slots scattered; row 0,
+    which padding requests point at, holds slots too, so a padding write would show."""
+    kv = model.new_kv_cache(128)
+    table = torch.full((4, 64), -1, dtype=I64)
+    free = torch.randperm(128, generator=torch.Generator().manual_seed(0))
+    rows = [1, 3]
+    table[1, :32], table[3, :32], table[0, :32] = free[:32], free[32:64], free[64:96]
+    ids = [t for p in PROMPTS for t in p]
+    model.forward(ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.tensor([i for p in PROMPTS for i in range(len(p))]),
+        out_cache_loc=torch.cat([table[r, :len(p)] for r, p in zip(rows, PROMPTS)]), req_to_token=table,
+        req_pool_indices=torch.tensor(rows), kv_lens=torch.tensor([len(p) for p in PROMPTS]),
+        q_lens=torch.tensor([len(p) for p in PROMPTS])), kv)
+    return kv, table, torch.tensor(rows), torch.tensor([len(p) for p in PROMPTS])
+
+
+def _op_by_op(model, kv, table, rows, seq_lens, tokens, mask, n):
+    be = model.backend
+    tree = prepare_tree(be, tokens, mask, seq_lens)
+    locs = tree_cache_locs(be, table, rows, seq_lens, n)
+    logits = model.forward(ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs,
+                                        req_to_token=table, req_pool_indices=rows, kv_lens=seq_lens + n,
+                                        q_lens=torch.full((2,), n, dtype=I64), tree_mask=mask if n > 1 else None,
+                                        max_kv_len=table.shape[1]), kv)
+    return commit(be, kv, verify_greedy(be, tree, logits), locs, table, rows, seq_lens)
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+@pytest.mark.parametrize("padded", [2, 5])
+def test_padded_greedy_step_commits_what_the_op_by_op_step_does(nodes, padded):
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, rows, seq_lens = _state(model)
+    parents = [-1, 0, 0, 1][:nodes]
+    mask = torch.zeros(nodes, nodes, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    mask = mask.expand(2, nodes, nodes).contiguous()
+    tokens = torch.tensor([[7, 12, 30, 2][:nodes], [8, 8, 9, 8][:nodes]], dtype=I64).view(-1)
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = _op_by_op(model, ref_kv, table, rows, seq_lens, tokens, mask, nodes)
+
+    step = GreedyStep(model, kv, table, padded, nodes)
+    step.run()  # what capture runs first: no request, so no write
+    step.load(tokens, mask if nodes > 1 else None, rows, seq_lens)
+    step.run()
+    got = step.result(2)
+    for name in ("accept_tokens", "accept_lens", "new_seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # Row S is the scratch row where writes aimed at -1 land; every data row must match.
+    assert torch.equal(kv.k[:, :-1], ref_kv.k[:, :-1]) and torch.equal(kv.v[:, :-1], ref_kv.v[:, :-1]), \
+        "padding changed the cache"
+
+
+def test_dummy_run_writes_nothing():
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    before = (kv.k.clone(), kv.v.clone(), table.clone())
+    GreedyStep(model, kv, table, 4, 4).run()
+    assert torch.equal(kv.k[:, :-1], before[0][:, :-1]) and torch.equal(kv.v[:, :-1], before[1][:, :-1])
+    assert torch.equal(table, before[2])

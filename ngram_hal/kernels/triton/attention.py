@@ -231,14 +231,15 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     decode = tree is None and per_req == 1 and not layout.batch_invariant
     block_n = cfg.attn_block_n(d, q.element_size(), decode)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
+    min_split = cfg.attn_split_keys(block_n)
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
-        chunk = cfg.attn_min_split
+        chunk = min_split
     else:
         want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
         splits = 1
-        if num_tiles * H < want and max_kv > cfg.attn_min_split:
-            splits = min(-(-want // (num_tiles * H)), -(-max_kv // cfg.attn_min_split))
+        if num_tiles * H < want and max_kv > min_split:
+            splits = min(-(-want // (num_tiles * H)), -(-max_kv // min_split))
         chunk = -(-max_kv // splits)
     chunk = -(-chunk // block_n) * block_n
     splits = -(-max_kv // chunk)

@@ -21,7 +21,7 @@ class LaunchConfig:
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
-        attn_min_split: fewest keys a split of the keys may hold.
+        attn_min_split: fewest keys a split of the keys may hold (None: four steps of the key loop).
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
@@ -62,7 +62,7 @@ class LaunchConfig:
     tile_bytes_per_thread: int = 128
     attn_block_m: int = 64
     attn_programs: int | None = None
-    attn_min_split: int = 512
+    attn_min_split: int | None = None
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
@@ -76,6 +76,11 @@ class LaunchConfig:
         16 to 128 keys."""
         key_bytes = self.attn_key_bytes * (2 if decode else 1)
         return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
+
+    def attn_split_keys(self, block_n: int) -> int:
+        """Fewest keys one split of the attention keys holds: ``attn_min_split``, or four steps of
+        ``block_n`` keys (enough work per program to hide the split's merge)."""
+        return self.attn_min_split if self.attn_min_split is not None else 4 * block_n
 
     def attn_stages(self, decode: bool = False) -> int:
         """Pipelining stages of the attention key loop: one more for decode programs."""
@@ -91,7 +96,7 @@ class LaunchConfig:
         powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in ("attn_programs", "attn_warps"):
+            if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split"):
                 continue
             if f.name == "kernel_options":
                 if not all(isinstance(k, str) and isinstance(v, int) for k, v in value):

@@ -36,7 +36,9 @@ def test_committed_matrix_is_the_merge_of_the_reports():
     assert (PUBLISHED / "matrix.md").read_text(encoding="utf-8") == matrix.to_markdown(merged), \
         "run `make docs-matrix` after changing a report"
     assert (PUBLISHED / "matrix.html").read_text(encoding="utf-8") == matrix.to_html(merged)
-    assert [c.label for c in merged.columns] == [_label(p) for p in REPORTS]
+    assert len(merged.columns) == len(REPORTS)
+    for column, path in zip(merged.columns, REPORTS):
+        assert column.label.startswith(_label(path)), (column.label, path.name)
 
 
 def _label(path: Path) -> str:
@@ -55,7 +57,7 @@ def test_a_new_report_joins_the_matrix_by_make_docs_matrix(tmp_path):
     cuda = json.loads((PUBLISHED / "cpu-x86_64.json").read_text())
     cuda.update(backend="cuda", device="cuda:0", proxy=False)
     (tmp_path / "cuda-h200.json").write_text(json.dumps(cuda))
-    columns = [_label(p) for p in sorted(tmp_path.glob("*.json"))]
+    columns = [c.label for c in matrix.merge_files(sorted(tmp_path.glob("*.json"))).columns]
     # -o: use the environment as it is, never reinstall it from a test.
     run = subprocess.run(["make", "-o", ".venv/.installed", "docs-matrix", f"PUBLISHED={tmp_path}"], cwd=ROOT,
                          capture_output=True, text=True)

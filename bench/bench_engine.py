@@ -190,7 +190,8 @@ def summarize(results: Sequence[RunResult], chosen: Counter) -> dict:
             "steps_by_tree_size": {str(n): c for n, c in sorted(chosen.items())},
             "mean_tree_nodes": totals.tree_nodes / totals.decode_steps if totals.decode_steps else 0.0,
             "host_ms_per_step": {"hidden": 1e3 * totals.hidden_host_s / steps,
-                                 "critical": 1e3 * totals.critical_host_s / steps},
+                                 "critical": 1e3 * totals.critical_host_s / steps,
+                                 "draft": 1e3 * totals.draft_s / steps},
             "requests": [rec.id for rec in records], "kinds": [rec.kind for rec in records],
             "finish_reasons": [rec.finish_reason for rec in records],
             "verify_steps": [rec.verify_steps for rec in records],
@@ -398,15 +399,17 @@ def print_tables(console: Console, report: dict) -> None:
                       _f(r.get("vs_old"), ".2f"), f"{same['same']}/{same['of']}" if same else "-",
                       _f(peak / 2**20 if peak is not None else None, ".0f"))
     console.print(speed)
-    steps = make_table("engine: per step (host ms hidden behind the device / on its critical path; profiled "
-                       "decode steps: GPU kernels, host launch calls, GPU busy ms)",
-                       ("B", "run", "ms/step", "hidden", "critical", "kernels", "launches", "GPU ms", "tree sizes"),
+    steps = make_table("engine: per step (host ms hidden behind the device / on its critical path / in the drafter; "
+                       "profiled decode steps: GPU kernels, host launch calls, GPU busy ms)",
+                       ("B", "run", "ms/step", "hidden", "critical", "draft", "kernels", "launches", "GPU ms",
+                        "tree sizes"),
                        left=("run", "tree sizes"))
     for r in rows:
         t, prof = r["totals"], r["profile"] or {}
         sizes = " ".join(f"{n}:{c}" for n, c in r["steps_by_tree_size"].items() if c)
         steps.add_row(str(r["batch"]), r["run"], f"{t['ms_per_decode_step']:.2f}",
                       f"{r['host_ms_per_step']['hidden']:.2f}", f"{r['host_ms_per_step']['critical']:.2f}",
+                      f"{r['host_ms_per_step']['draft']:.2f}",
                       _f(prof.get("gpu_kernels_per_step"), ".0f", "error" if "error" in prof else "-"),
                       _f(prof.get("host_launch_calls_per_step"), ".0f"), _f(prof.get("gpu_busy_ms_per_step"), ".3f"),
                       sizes)

@@ -26,6 +26,8 @@ COPY_CALL = re.compile(r"(cuda|cu|hip)(Memcpy|Memset)\w*")
 """Host API calls that enqueue a copy or a fill."""
 DEVICE_COPY = ("Memcpy", "Memset")
 """Name prefixes of the device events that are copies or fills, not kernels."""
+TOP_KERNELS = 16
+"""Kernels listed by device time in :func:`count_events`."""
 
 
 def count_events(events: Iterable, steps: int) -> dict:
@@ -35,13 +37,17 @@ def count_events(events: Iterable, steps: int) -> dict:
     events are those not on the CPU; user annotations projected onto the device timeline are not
     work and are skipped. Returns ``gpu_kernels_per_step``, ``gpu_copies_per_step``,
     ``host_launch_calls_per_step``, ``host_copy_calls_per_step``, ``gpu_busy_ms_per_step`` (kernel
-    time), ``gpu_copy_ms_per_step`` and ``runtime_calls`` (launch and copy calls by name, whole trace).
+    time), ``gpu_copy_ms_per_step``, ``runtime_calls`` (launch and copy calls by name, whole trace)
+    and ``top_kernels``: the :data:`TOP_KERNELS` kernels with the most device time, each with its
+    name (cut to 96 characters), launches per step and device microseconds per step.
     """
     if steps < 1:
         raise ValueError(f"steps: expected at least 1, got {steps}")
     kernels = copies = 0
     kernel_us = copy_us = 0.0
     calls: Counter[str] = Counter()
+    by_name: Counter[str] = Counter()
+    time_by_name: Counter[str] = Counter()
     for event in events:
         if event.device_type != DeviceType.CPU:
             if getattr(event, "is_user_annotation", False):
@@ -52,6 +58,8 @@ def count_events(events: Iterable, steps: int) -> dict:
             else:
                 kernels += 1
                 kernel_us += event.time_range.elapsed_us()
+                by_name[event.name] += 1
+                time_by_name[event.name] += event.time_range.elapsed_us()
         elif LAUNCH_CALL.fullmatch(event.name) or COPY_CALL.fullmatch(event.name):
             calls[event.name] += 1
     launches = sum(n for name, n in calls.items() if LAUNCH_CALL.fullmatch(name))
@@ -59,7 +67,9 @@ def count_events(events: Iterable, steps: int) -> dict:
             "host_launch_calls_per_step": launches / steps,
             "host_copy_calls_per_step": (sum(calls.values()) - launches) / steps,
             "gpu_busy_ms_per_step": kernel_us / 1e3 / steps, "gpu_copy_ms_per_step": copy_us / 1e3 / steps,
-            "runtime_calls": dict(sorted(calls.items()))}
+            "runtime_calls": dict(sorted(calls.items())),
+            "top_kernels": [{"name": name[:96], "per_step": by_name[name] / steps, "us_per_step": us / steps}
+                            for name, us in time_by_name.most_common(TOP_KERNELS)]}
 
 
 def profile_steps(engine, prompts: list[list[int]], params, steps: int) -> dict:

@@ -26,7 +26,7 @@ ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invari
             "vs_plain", "vs_old", "same_tokens_as_plain"}
 TOTALS_KEYS = {"requests", "output_tokens", "decode_tokens", "verify_steps", "tokens_per_verify_step", "wall_s",
                "tokens_per_s", "decode_s", "decode_tokens_per_s", "prefill_steps", "decode_steps", "tree_nodes",
-               "ms_per_decode_step", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "device_busy_s",
+               "ms_per_decode_step", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "draft_s", "device_busy_s",
                "device_idle_s", "device_idle_fraction"}
 
 
@@ -123,6 +123,9 @@ def test_profiler_counts_per_step(bench_engine):
     assert got["gpu_busy_ms_per_step"] == pytest.approx(0.011) and got["gpu_copy_ms_per_step"] == pytest.approx(0.002)
     assert got["runtime_calls"] == {"cuLaunchKernel": 2, "cudaGraphLaunch": 1, "cudaLaunchKernel": 1,
                                     "cudaMemcpyAsync": 1}
+    assert got["top_kernels"] == [{"name": "gemv", "per_step": 0.5, "us_per_step": 8.0},
+                                  {"name": "triton_norm", "per_step": 0.5, "us_per_step": 2.0},
+                                  {"name": "fill", "per_step": 0.5, "us_per_step": 1.0}]
     with pytest.raises(ValueError, match="steps: expected at least 1, got 0"):
         count_events(events, steps=0)
 

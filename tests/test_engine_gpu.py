@@ -1,8 +1,9 @@
 """The engine on a GPU through the cuda backend: captured step graphs, bfloat16, the fused model
 kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 
-* Replaying captured graphs gives the tokens of eager forwards (batch-invariant mode, where both
-  read the keys in the same fixed chunks).
+* Replaying captured graphs (decode and verify steps, and padded one-request prefills) gives the
+  tokens of eager forwards (batch-invariant mode, where both read the keys in the same fixed
+  chunks).
 * Greedy with speculation equals greedy without it in the batch-invariant mode for chain-shaped
   drafts (prompt lookup): each accepted node sits at the position plain decoding gives it.
 * After warm-up, a run with graphs makes no hidden host sync.
@@ -49,19 +50,28 @@ def prompts():
     return [base * 4, base[:5] * 6 + base, torch.randint(0, 512, (40,), generator=g).tolist(), base * 2]
 
 
-def _run(model, prompts, **cfg):
+def _generate(engine, prompts, alone=False):
+    """Token ids of ``prompts`` run as one batch, or one after another (each prefilled alone)."""
+    params = SamplingParams(max_new_tokens=40)
+    outs = [engine.generate([p], params)[0] for p in prompts] if alone else engine.generate(prompts, params)
+    return [o.token_ids for o in outs]
+
+
+def _run(model, prompts, alone=False, **cfg):
     engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8, **cfg))
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
-    return engine, [o.token_ids for o in outs]
+    return engine, _generate(engine, prompts, alone)
 
 
 @gpu
-def test_graphs_replay_the_eager_forward(backend, prompts):
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+def test_graphs_replay_the_eager_forward(backend, prompts, alone):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=3, batch_invariant=True)
     for spec_nodes in (1, 4):
-        engine, with_graphs = _run(model, prompts, spec_nodes=spec_nodes, graphs=True)
+        engine, with_graphs = _run(model, prompts, alone, spec_nodes=spec_nodes, graphs=True)
         assert engine.graphs is not None and engine.graphs.captures > 0
-        _, eager = _run(model, prompts, spec_nodes=spec_nodes, graphs=False)
+        # Prompts of 24-60 tokens prefilled alone replay the padded prefills of 32 and 64 tokens.
+        assert engine.graphs.prefill_sizes == ([32, 64] if alone else [])
+        _, eager = _run(model, prompts, alone, spec_nodes=spec_nodes, graphs=False)
         assert with_graphs == eager
 
 
@@ -75,17 +85,18 @@ def test_invariant_greedy_speculation_equals_plain(backend, prompts):
 
 
 @gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
 @pytest.mark.parametrize("spec_nodes", [1, 8])
-def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes):
+def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes, alone):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5)
     engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8,
                                               spec_nodes=spec_nodes, spec_policy="always"))
-    engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    _generate(engine, prompts, alone)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+        outs = _generate(engine, prompts, alone)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(len(o.token_ids) == 40 for o in outs)
+    assert all(len(ids) == 40 for ids in outs)
     assert engine.stats.device_busy_s > 0
     assert engine.sched.slots.available() == engine.sched.slots.num_slots

@@ -29,13 +29,21 @@ def test_always_uses_d():
 
 
 def test_auto_turns_speculation_down_when_it_loses():
-    # Every tree costs more than it commits: plain wins, the other sizes are probed now and then.
+    # Every tree costs more than it commits: plain wins after one trial of two nodes; the larger
+    # trees are never tried (a local search), and two nodes are probed now and then.
     policy = SpecPolicy(8, "auto", probe_every=4)
     chosen = drive(policy, 80, {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5})
+    assert chosen[:2] == [1, 2]
     tail = chosen[10:]
-    assert tail.count(1) > 0.7 * len(tail)
-    assert {2, 4, 8} <= set(tail)
-    assert max(policy.sizes, key=policy.rate) == 1
+    assert tail.count(1) > 0.85 * len(tail) and 2 in tail
+    assert policy.chosen[4] == policy.chosen[8] == 0
+    assert policy.rate(4) is None and max(policy.sizes, key=lambda n: policy.rate(n) or 0) == 1
+
+
+def test_auto_climbs_while_larger_trees_win():
+    policy = SpecPolicy(8, "auto", probe_every=8)
+    chosen = drive(policy, 12, {1: 0.1, 2: 0.11, 4: 0.12, 8: 0.15}, {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.0})
+    assert chosen[:5] == [1, 2, 4, 8, 8]
 
 
 def test_auto_keeps_speculation_when_it_wins():
@@ -73,3 +81,23 @@ def test_untimed_samples_update_acceptance_only():
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode"):
         SpecPolicy(8, "sometimes")
+
+
+def test_probes_thin_out_while_the_best_size_holds():
+    policy = SpecPolicy(8, "auto", probe_every=4, max_probe_every=32)
+    chosen = drive(policy, 400, {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5})
+    probes = [i for i, n in enumerate(chosen) if n != 1 and i >= 4]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] <= 8 and gaps[-1] == 32
+    assert len(probes) < 20
+
+
+def test_peek_tells_the_next_choice_and_changes_nothing():
+    policy = SpecPolicy(8, "auto", probe_every=2)
+    cost, tokens = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5}
+    for _ in range(40):
+        before = (dict(policy.chosen), dict(policy._last_run), policy._steps)
+        n = policy.peek()
+        assert (dict(policy.chosen), dict(policy._last_run), policy._steps) == before
+        assert policy.choose() == n
+        policy.observe(n, 4, int(tokens[n] * 4), cost[n] * 4)

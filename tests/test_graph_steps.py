@@ -1,13 +1,16 @@
-"""The greedy verify step that graphs capture (``ngram_hal.engine.graphs.GreedyStep``), run eagerly
-on the CPU: padded to a larger batch, it commits what the op-by-op step commits for the real
-requests and leaves every other slot of the cache as it was."""
+"""The steps that graphs capture (``ngram_hal.engine.graphs``), run eagerly on the CPU.
+
+The greedy verify step (``GreedyStep``), padded to a larger batch, commits what the op-by-op step
+commits for the real requests; the one-request prefill (``PaddedPrefill``), padded to a longer
+prompt, gives the unpadded forward's logits and K/V. Both leave every other slot of the cache as
+it was."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ngram_hal.engine.graphs import GreedyStep
+from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket
 from ngram_hal.engine.model import ForwardBatch, LlamaModel
 from ngram_hal.reference import CpuBackend
 from ngram_hal.speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
@@ -83,3 +86,50 @@ def test_dummy_run_writes_nothing():
     GreedyStep(model, kv, table, 4, 4).run()
     assert torch.equal(kv.k[:, :-1], before[0][:, :-1]) and torch.equal(kv.v[:, :-1], before[1][:, :-1])
     assert torch.equal(table, before[2])
+
+
+def test_prefill_buckets():
+    assert [prefill_bucket(n) for n in (1, 16, 17, 444, 512, 513, 1500)] == [16, 16, 32, 512, 512, 1024, 1536]
+
+
+@pytest.mark.parametrize("table_tail", ["unassigned", "stale slots"])
+def test_padded_prefill_equals_the_unpadded_forward(table_tail):
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    prompt = torch.tensor([1, 9, 33, 4, 4, 17, 2, 60, 5], dtype=I64)
+    N, row = prompt.shape[0], 2
+    table[row, :N] = torch.arange(100, 100 + N)
+    if table_tail == "stale slots":
+        table[row, N:32] = torch.arange(96 - (32 - N), 96)
+    locs = table[row, :N].clone()
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = model.forward(ForwardBatch(input_ids=prompt, positions=torch.arange(N), out_cache_loc=locs,
+                                      req_to_token=table, req_pool_indices=torch.tensor([row]),
+                                      kv_lens=torch.tensor([N]), q_lens=torch.tensor([N]),
+                                      logits_index=torch.tensor([N - 1])), ref_kv)
+
+    step = PaddedPrefill(model, kv, table, 16)
+    step.run()  # what capture runs first: nothing loaded, so no write
+    step.load(prompt, locs, torch.tensor([row]))
+    got = step.run()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    others[locs] = False
+    others[-1] = False  # the scratch row where writes aimed at -1 land
+    for got_c, want_c in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
+        torch.testing.assert_close(got_c[:, locs], want_c[:, locs], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_c[:, others], want_c[:, others]), "the padded prefill wrote outside the prompt's slots"
+
+
+def test_padded_prefill_refuses_what_does_not_fit():
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    with pytest.raises(ValueError, match="exceed the request table"):
+        PaddedPrefill(model, kv, table, 128)
+    step = PaddedPrefill(model, kv, table, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        step.load(torch.zeros(17, dtype=I64), torch.zeros(17, dtype=I64), torch.tensor([0]))

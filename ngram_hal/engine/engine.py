@@ -21,7 +21,9 @@ only in that event's ``synchronize()``. One call of :meth:`Engine.step`:
   do the text-level part of step t (detokenization, stop strings, outputs, freeing) while the
   device computes step t+1. Between steps the device waits for the results copy, the token-level
   commit, the drafting and the launch of step t+1. The relay still carries the roots and lengths
-  on the device; only the D-1 draft tokens per request and the tree masks are uploaded.
+  on the device; only the D-1 draft tokens per request and the tree masks are uploaded. A step
+  that the ``auto`` policy runs with one node drafts nothing, so it is launched as without
+  speculation, before the host waits for step t.
 
 A request that turns out to have finished at step t may already be in step t+1; its results
 there are dropped. On the CPU the device runs eagerly inside the launch, so the loop has the same
@@ -63,8 +65,8 @@ class EngineConfig(BaseModel):
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
     at most :meth:`max_spec_nodes` of it.
-    ``graphs`` replays decode and verify forwards from captured graphs where the backend's runtime
-    can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or with a strict backend).
+    ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
+    where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or with a strict backend).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -346,7 +348,7 @@ class Engine:
                 outputs += self._process(step, hidden=False)
             return outputs
         prev, self.inflight = self.inflight, None
-        if prev is not None and self.num_nodes > 1:
+        if prev is not None and self._drafts_next():
             self._absorb(prev, critical=True)
         self.inflight = self._launch()
         if prev is not None:
@@ -354,6 +356,16 @@ class Engine:
                 self._absorb(prev, critical=False)
             outputs += self._process(prev, hidden=self.inflight is not None)
         return outputs
+
+    def _drafts_next(self) -> bool:
+        """Whether the next step may need the previous one's tokens on the host: a speculative
+        step drafts from them, and admission waits for the requests they finish. A step the
+        policy runs with one node (a plain decode step) does not, so it overlaps like one."""
+        if self.num_nodes == 1:
+            return False
+        if self.sched.waiting or not self.sched.running:
+            return True
+        return self.policy.peek() > 1
 
     def _launch(self) -> InflightStep | None:
         admitted = self.sched.admit()
@@ -384,13 +396,17 @@ class Engine:
         rows, lens_dev = up([r.row for r in reqs]), up(lens)
         out_cache_loc = be.gather_cache_locs(self.sched.req_to_token, rows, torch.zeros_like(lens_dev), lens_dev,
                                              num_tokens=N)
-        batch = ForwardBatch(
-            input_ids=up([t for r in reqs for t in r.prompt_ids]),
-            positions=up([p for n in lens for p in range(n)]),
-            out_cache_loc=out_cache_loc, req_to_token=self.sched.req_to_token, req_pool_indices=rows,
-            kv_lens=lens_dev, q_lens=lens_dev, tree_mask=None, max_kv_len=max(lens),
-            logits_index=up([end - 1 for end in accumulate(lens)]))
-        logits = self.model.forward(batch, self.kv)
+        input_ids = up([t for r in reqs for t in r.prompt_ids])
+        logits = None
+        if self.graphs is not None and B == 1:
+            logits = self.graphs.prefill(input_ids, out_cache_loc, rows)
+        if logits is None:
+            batch = ForwardBatch(
+                input_ids=input_ids, positions=up([p for n in lens for p in range(n)]),
+                out_cache_loc=out_cache_loc, req_to_token=self.sched.req_to_token, req_pool_indices=rows,
+                kv_lens=lens_dev, q_lens=lens_dev, tree_mask=None, max_kv_len=max(lens),
+                logits_index=up([end - 1 for end in accumulate(lens)]))
+            logits = self.model.forward(batch, self.kv)
         sampling = SamplingBatch([r.params for r in reqs], 1, up)
         if sampling.all_greedy:
             tokens = logits.argmax(-1)
@@ -413,24 +429,24 @@ class Engine:
 
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
-        begin = self._begin()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
         n = size = self.policy.choose()
         B = len(reqs)
-        bounds = [r.seq_bound(D) for r in reqs]
-        self.sched.reserve(reqs, bounds)
-        relay, r2t = self.relay, self.sched.req_to_token
-        seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
         if n > 1:
-            drafting = time.perf_counter()
             draft = self.drafter.draft([r.rid for r in reqs], n)
-            self.stats.draft_s += time.perf_counter() - drafting
+            self.stats.draft_s += time.perf_counter() - start
             # Nodes past every tree's drafted count are padding: run the step on the first n of
             # them (BFS order keeps each parent before its children), 1 when nothing was drafted.
             n = int(draft.drafted.max())
             if self.graphs is not None and n > 1:
                 # Captured shapes: round up to a power of two (more padding nodes, fewer graphs).
                 n = min(size, 1 << (n - 1).bit_length())
+        # Device time starts here: the drafting above is host time the device may spend idle.
+        begin = self._begin()
+        bounds = [r.seq_bound(D) for r in reqs]
+        self.sched.reserve(reqs, bounds)
+        relay = self.relay
+        seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
         if n > 1:
             drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
             tokens = torch.cat([roots.unsqueeze(1), drafts], dim=1).view(-1)

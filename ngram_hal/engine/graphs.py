@@ -14,6 +14,10 @@ Two kinds of graph:
   cache locations are forced to -1), so every move they produce has a -1 source and does nothing.
 * a **forward** (:meth:`StepGraphs.forward`): the model forward alone, for steps that sample or
   want log-probabilities; padding requests read no keys (``kv_len`` 0) and store no K/V.
+* a **prefill** of one request (:class:`PaddedPrefill`), padded to a length bucket
+  (:func:`prefill_bucket`): the padding tokens follow the prompt, so causal attention keeps them
+  out of every real row, and they store no K/V. Without it a prefill is a few hundred eager
+  launches whose host time, not the device, sets its cost.
 
 Capture and replay go through the backend's runtime (``graph_capture``, ``new_graph``,
 ``capture``), never a vendor module. Where the runtime cannot capture (the CPU), :class:`StepGraphs`
@@ -39,6 +43,54 @@ def batch_buckets(max_batch: int) -> list[int]:
         sizes.append(b)
         b = b * 2 if b < 8 else b + (8 if b < 64 else 32)
     return sizes + [max_batch]
+
+
+def prefill_bucket(num_tokens: int) -> int:
+    """Padded length of a one-request prefill: the next power of two from 16 up to 512, then the
+    next multiple of 512."""
+    if num_tokens <= 512:
+        return max(16, 1 << (num_tokens - 1).bit_length())
+    return -(-num_tokens // 512) * 512
+
+
+class PaddedPrefill:
+    """The static inputs and the forward of a prefill of one request of up to ``padded`` tokens.
+
+    :meth:`load` copies a prompt's tokens and cache locations in; :meth:`run` returns the logits
+    of its last token. The rows past the prompt are padding: they sit after every real row (so
+    causal attention never lets a real row see them), store nothing (location -1) and read
+    whatever the request's table row holds past the prompt (a slot or -1; their output is unused).
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int):
+        if padded > req_to_token.shape[1]:
+            raise ValueError(f"padded: {padded} tokens exceed the request table's {req_to_token.shape[1]} positions")
+        self.model, self.kv, self.padded = model, kv, padded
+        dev = model.device
+
+        def index(n: int, fill: int) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=torch.int64, device=dev)
+
+        self.batch = ForwardBatch(
+            input_ids=index(padded, 0), positions=torch.arange(padded, dtype=torch.int64, device=dev),
+            out_cache_loc=index(padded, -1), req_to_token=req_to_token, req_pool_indices=index(1, 0),
+            kv_lens=index(1, padded), q_lens=index(1, padded), tree_mask=None, max_kv_len=padded,
+            logits_index=index(1, 0))
+
+    def load(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, row: torch.Tensor) -> None:
+        """Copy in one request's prompt: input_ids and out_cache_loc int64[N] (N <= padded), row int64[1]."""
+        N, s = input_ids.shape[0], self.batch
+        if not 0 < N <= self.padded:
+            raise ValueError(f"input_ids: {N} tokens do not fit a prefill of {self.padded}")
+        s.input_ids[:N].copy_(input_ids)
+        s.out_cache_loc[:N].copy_(out_cache_loc)
+        s.out_cache_loc[N:].fill_(-1)
+        s.req_pool_indices.copy_(row)
+        s.logits_index.fill_(N - 1)
+
+    def run(self) -> torch.Tensor:
+        """float32[1, V]: the logits of the loaded prompt's last token."""
+        return self.model.forward(self.batch, self.kv)
 
 
 class GreedyStep:
@@ -133,6 +185,7 @@ class StepGraphs:
         self.pool = runtime.new_graph_pool()
         self._steps: dict[tuple[int, int], tuple[GreedyStep, object]] = {}
         self._forwards: dict[tuple[int, int], _Forward] = {}
+        self._prefills: dict[int, tuple[PaddedPrefill, object, torch.Tensor]] = {}
         self.captures = 0
 
     def bucket(self, batch_size: int) -> int:
@@ -179,6 +232,29 @@ class StepGraphs:
             s.kv_lens[B:].fill_(0)
         entry.graph.replay()
         return entry.logits[:N]
+
+    @property
+    def prefill_sizes(self) -> list[int]:
+        """The padded lengths whose one-request prefill has been captured so far."""
+        return sorted(self._prefills)
+
+    def prefill(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, row: torch.Tensor) -> torch.Tensor | None:
+        """Replay the padded prefill of one request (see :meth:`PaddedPrefill.load`): float32[1, V],
+        the logits of its last token, a view valid until the next prefill of the same bucket; None
+        when the prompt's bucket is longer than the request table (run it eagerly then). A bucket's
+        graph is captured at its first use."""
+        padded = prefill_bucket(input_ids.shape[0])
+        if padded > self.req_to_token.shape[1]:
+            return None
+        entry = self._prefills.get(padded)
+        if entry is None:
+            step = PaddedPrefill(self.model, self.kv, self.req_to_token, padded)
+            graph, logits = self._capture(step.run)
+            entry = self._prefills[padded] = (step, graph, logits)
+        step, graph, logits = entry
+        step.load(input_ids, out_cache_loc, row)
+        graph.replay()
+        return logits
 
     def _capture(self, fn):
         """A graph of ``fn`` and its result. An eager run first compiles the kernels and settles the

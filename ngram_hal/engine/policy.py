@@ -6,8 +6,16 @@ model), the device and the text. The ``auto`` policy measures while serving: for
 of 1, 2, 4, ... up to D it keeps moving averages of the tokens committed per request per step
 and of the wall time per request per step (time between the completions of consecutive decode
 steps, so host overheads count too), and runs the size with the highest estimated tokens per
-second. Every ``probe_every`` steps it runs the size it has measured least recently instead, so
-the choice follows the workload (a copy-heavy stretch starts, a batch grows). Greedy output is
+second.
+
+It searches locally, from the plain step up: it starts at size 1 and tries the next larger size
+once the best size is known, climbing while each size beats the one below it, so a batch where
+speculation loses pays for one trial of size 2, not of every size. Every so often it runs one
+of the best size's neighbours instead (a probe; the one run least recently), so the choice
+follows the workload (a copy-heavy stretch starts, a batch grows). Probes cost: while the best
+size stays the same, the gap between probes doubles from ``probe_every`` up to
+``max_probe_every`` steps; when the best size changes, or a probe finds its size faster than
+estimated before (by a tenth or more), it drops back to ``probe_every``. Greedy output is
 unaffected: every step is exact whatever size it uses.
 """
 
@@ -37,16 +45,24 @@ class SpecPolicy:
         num_nodes: D, the largest speculative tree.
         mode: ``"always"`` (every step uses D) or ``"auto"`` (the size in :func:`tree_sizes`
             measured fastest).
-        probe_every: in ``auto``, steps between two probes of the size measured least recently.
+        probe_every: in ``auto``, the fewest steps between two probes of the size measured least
+            recently (the gap while the best size keeps changing).
+        max_probe_every: the most steps between two probes (the gap once the best size has held);
+            default ``8 * probe_every``.
         decay: weight of the past in the moving averages.
     """
 
-    def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, decay: float = 0.7):
+    def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, decay: float = 0.7,
+                 max_probe_every: int | None = None):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
         self.num_nodes = num_nodes
         self.mode = mode
         self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every if max_probe_every is not None else 8 * probe_every)
+        self._gap = probe_every
+        self._next_probe = probe_every
+        self._best: int | None = None
         self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
         self._tokens = {n: _Average(decay) for n in self.sizes}
         self._seconds = {n: _Average(decay) for n in self.sizes}
@@ -61,19 +77,38 @@ class SpecPolicy:
             return None
         return tokens / seconds
 
+    def _decide(self) -> tuple[int, int | None, bool]:
+        """The next size, the best size measured (None before any) and whether the next size is a
+        probe, from the state as it is."""
+        if len(self.sizes) == 1:
+            return self.sizes[0], None, False
+        measured = [n for n in self.sizes if self.rate(n) is not None]
+        if not measured:
+            return self.sizes[0], None, False
+        best = max(measured, key=self.rate)
+        i = self.sizes.index(best)
+        above = self.sizes[i + 1] if i + 1 < len(self.sizes) else None
+        if above is not None and self.rate(above) is None:
+            return above, best, False
+        if best == self._best and self._steps + 1 >= self._next_probe:
+            neighbours = self.sizes[max(i - 1, 0):i] + self.sizes[i + 1:i + 2]
+            return min(neighbours, key=self._last_run.__getitem__), best, True
+        return best, best, False
+
+    def peek(self) -> int:
+        """The size :meth:`choose` would return now, without choosing it."""
+        return self._decide()[0]
+
     def choose(self) -> int:
         """The draft-tree size of the next verify step."""
+        nodes, best, probe = self._decide()
         self._steps += 1
-        unmeasured = [n for n in self.sizes if self.rate(n) is None]
-        if len(self.sizes) == 1:
-            nodes = self.sizes[0]
-        elif unmeasured:
-            nodes = max(unmeasured)
-        elif self._steps % self.probe_every == 0:
-            best = max(self.sizes, key=self.rate)
-            nodes = min((n for n in self.sizes if n != best), key=self._last_run.__getitem__)
-        else:
-            nodes = max(self.sizes, key=self.rate)
+        if best is not None and best != self._best:
+            self._best, self._gap = best, self.probe_every
+            self._next_probe = self._steps + self._gap
+        if probe:
+            self._gap = min(2 * self._gap, self.max_probe_every)
+            self._next_probe = self._steps + self._gap
         self._last_run[nodes] = self._steps
         self.chosen[nodes] += 1
         return nodes
@@ -85,6 +120,11 @@ class SpecPolicy:
         prefill ran in between)."""
         if rows == 0:
             return
+        before = self.rate(nodes)
         self._tokens[nodes].add(tokens / rows)
         if seconds is not None:
             self._seconds[nodes].add(seconds / rows)
+        after = self.rate(nodes)
+        if nodes != self._best and before is not None and after is not None and after > 1.1 * before:
+            self._gap = self.probe_every
+            self._next_probe = min(self._next_probe, self._steps + self._gap)

@@ -2,11 +2,12 @@
 
 Each request gets a slot budget when it arrives: its prompt, its (context-clamped) new tokens and
 ``3*D`` for the draft tree of the last step, the step the host may launch before it has seen that
-the request finished, and the ``2*D`` reservation ahead. A waiting request is admitted only when
-the free slots cover its budget on top of what the running requests may still claim, so a
-running request never meets an empty cache and nothing is ever preempted. A request whose budget
-exceeds the whole cache, or whose prompt leaves no room in the context, fails on its own with a
-clear error; the others are unaffected.
+the request finished, and the ``2*D`` reserved ahead (more is reserved where the budget allows,
+which saves launches). A waiting request is admitted only when the free slots cover its budget on
+top of what the running requests may still claim, so a running request never meets an empty
+cache and nothing is ever preempted. A request whose budget exceeds the whole cache, or whose
+prompt leaves no room in the context, fails on its own with a clear error; the others are
+unaffected.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Scheduler:
         self.slots = SlotAllocator(backend, num_slots)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.num_nodes = num_nodes
+        # Slots reserved past a request's next step: at least 2*D, and 32 positions so that plain
+        # and short-tree decoding allocates (two launches and three uploads) every few dozen steps.
+        self.ahead = num_nodes + max(num_nodes, 32)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,7 +75,7 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests (first come, first served) that fit now into the running set.
 
-        Each admitted request gets a pool row and slots for its prompt plus ``2*D``.
+        Each admitted request gets a pool row and slots for its prompt plus ``ahead``.
         """
         admitted: list[Request] = []
         free = self.slots.available() - self.outstanding()
@@ -90,14 +94,15 @@ class Scheduler:
         for req in admitted:
             req.row = self.pool.alloc()
             req.status = Status.RUNNING
-        self.extend(admitted, [min(len(r.prompt_ids) + 2 * self.num_nodes, r.slot_budget) for r in admitted])
+        self.extend(admitted, [min(len(r.prompt_ids) + self.ahead, r.slot_budget) for r in admitted])
         self.running.extend(admitted)
         return admitted
 
     def reserve(self, reqs: list[Request], bounds: list[int]) -> None:
-        """Make sure each request holds slots up to ``bound + D`` (``bounds``: KV-length upper bounds)."""
+        """Make sure each request holds slots up to ``bound + D`` (``bounds``: KV-length upper bounds);
+        a request short of that gets slots up to ``bound + ahead`` (within its budget)."""
         D = self.num_nodes
-        targets = [r.allocated if r.allocated >= b + D else min(b + 2 * D, r.slot_budget)
+        targets = [r.allocated if r.allocated >= b + D else min(b + self.ahead, r.slot_budget)
                    for r, b in zip(reqs, bounds)]
         self.extend(reqs, targets)
 

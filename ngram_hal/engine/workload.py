@@ -88,8 +88,8 @@ class RequestRecord(BaseModel):
 
 
 COUNTS = ("requests", "output_tokens", "decode_tokens", "verify_steps", "wall_s", "decode_s", "prefill_steps",
-          "decode_steps", "tree_nodes", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "device_busy_s",
-          "device_idle_s")
+          "decode_steps", "tree_nodes", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "draft_s",
+          "device_busy_s", "device_idle_s")
 """The fields of :class:`RunTotals` that add up over runs; the others are rates derived from them."""
 
 
@@ -108,7 +108,8 @@ class RunTotals(BaseModel):
     first token, and ``decode_tokens_per_s`` is ``decode_tokens`` over it. ``tree_nodes`` is the
     draft-tree nodes per request summed over decode steps. The device times (see
     :class:`~ngram_hal.engine.engine.EngineStats`; 0 on the CPU) cover the same decode window, so
-    that neither the prefill nor a pause of the engine before the run counts.
+    that neither the prefill nor a pause of the engine before the run counts. ``draft_s`` is the
+    host time in the drafter (part of the launch and host times).
     """
 
     requests: int
@@ -128,6 +129,7 @@ class RunTotals(BaseModel):
     wait_s: float
     hidden_host_s: float
     critical_host_s: float
+    draft_s: float
     device_busy_s: float
     device_idle_s: float
     device_idle_fraction: float
@@ -231,7 +233,8 @@ class _Run:
             verify_steps=sum(r.verify_steps for r in records), wall_s=self.busy_s,
             decode_s=self.busy_s - decode_start, prefill_steps=stats.prefill_steps, decode_steps=stats.decode_steps,
             tree_nodes=stats.tree_nodes, launch_s=stats.launch_s, wait_s=stats.wait_s,
-            hidden_host_s=stats.process_s, critical_host_s=stats.critical_s, device_busy_s=window.device_busy_s,
+            hidden_host_s=stats.process_s, critical_host_s=stats.critical_s, draft_s=stats.draft_s,
+            device_busy_s=window.device_busy_s,
             device_idle_s=window.device_idle_s)
         return RunResult(config=engine.config.model_dump(), requests=records, totals=totals)
 

@@ -47,6 +47,23 @@ def test_pending_tokens_count_as_context(drafter):
     assert batch.tokens.tolist() == [12, 13, 10]
 
 
+@FAST
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=60), st.lists(st.integers(0, 12), max_size=20))
+def test_prepare_changes_no_draft(prompt, more):
+    for make in DRAFTERS.values():
+        lazy, eager = make(), make()
+        for d in (lazy, eager):
+            d.add_request("r", prompt)
+        eager.prepare()
+        for d in (lazy, eager):
+            d.extend("r", more)
+        eager.prepare()
+        for D in (1, 4, 8):
+            a, b = lazy.draft(["r"], D), eager.draft(["r"], D)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tree_mask, b.tree_mask)
+            assert torch.equal(a.drafted, b.drafted)
+
+
 def test_repeated_text_is_drafted_exactly(drafter):
     text = [int(t) for t in np.random.default_rng(3).integers(0, 50, 40)]
     drafter.add_request("r", text + text[:10])

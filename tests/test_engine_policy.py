@@ -101,3 +101,13 @@ def test_peek_tells_the_next_choice_and_changes_nothing():
         assert (dict(policy.chosen), dict(policy._last_run), policy._steps) == before
         assert policy.choose() == n
         policy.observe(n, 4, int(tokens[n] * 4), cost[n] * 4)
+
+
+def test_one_stalled_step_does_not_move_the_choice():
+    policy = SpecPolicy(8, "auto", probe_every=4)
+    cost, tokens = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5}
+    drive(policy, 20, cost, tokens)
+    assert policy.peek() == 1
+    policy.observe(1, 16, 16, 16 * 50.0)  # a size-1 step that took 500 times as long
+    assert max(policy.sizes, key=lambda n: policy.rate(n) or 0) == 1
+    assert drive(policy, 5, cost, tokens).count(1) >= 4

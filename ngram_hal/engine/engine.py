@@ -110,7 +110,9 @@ class EngineStats:
     ``device_busy_s`` / ``device_idle_s``: device seconds from each step's first queued op to its
     results copy, and from one step's end to the next one's start, read from timing events (left
     at 0 where the runtime has none, e.g. on the CPU). ``draft_s``: host time in the drafter
-    (drafting trees and feeding it committed tokens), part of ``launch_s`` and ``critical_s``.
+    (drafting trees, recording prompts and committed tokens); drafting is part of ``launch_s``,
+    recording part of ``process_s`` or ``critical_s``, or neither for prompts (recorded while the
+    device runs their prefill).
     """
 
     prefill_steps: int = 0
@@ -390,9 +392,6 @@ class Engine:
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
         lens = [len(r.prompt_ids) for r in reqs]
         B, N = len(reqs), sum(lens)
-        if self.drafter is not None:
-            for r in reqs:
-                self.drafter.add_request(r.rid, r.prompt_ids)
         rows, lens_dev = up([r.row for r in reqs]), up(lens)
         out_cache_loc = be.gather_cache_locs(self.sched.req_to_token, rows, torch.zeros_like(lens_dev), lens_dev,
                                              num_tokens=N)
@@ -425,7 +424,15 @@ class Engine:
             r.seq_len = n
             r.inflight += 1
         self.stats.prefill_steps += 1
-        return self._ship("prefill", reqs, relay, logprobs, start, begin)
+        step = self._ship("prefill", reqs, relay, logprobs, start, begin)
+        if self.drafter is not None:
+            # The prompts go into the drafter while the device runs the prefill.
+            drafting = time.perf_counter()
+            for r in reqs:
+                self.drafter.add_request(r.rid, r.prompt_ids)
+            self.drafter.prepare()
+            self.stats.draft_s += time.perf_counter() - drafting
+        return step
 
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
@@ -548,10 +555,14 @@ class Engine:
                 drafting = time.perf_counter()
                 self.drafter.extend(r.rid, run)
                 self.stats.draft_s += time.perf_counter() - drafting
+        if self.drafter is not None and not critical:
+            # The device is busy with the next step: record the new tokens now, not in the next draft.
+            drafting = time.perf_counter()
+            self.drafter.prepare()
+            self.stats.draft_s += time.perf_counter() - drafting
         self._release(ended)
         step.absorbed = True
-        self._observe(step, rows, committed)
-        self._time_device(step)
+        self._observe(step, rows, committed, self._time_device(step))
         self.stats.wait_s += step.wait_s
         elapsed = time.perf_counter() - start
         if critical:
@@ -559,24 +570,33 @@ class Engine:
         else:
             self.stats.process_s += elapsed
 
-    def _time_device(self, step: InflightStep) -> None:
-        """Add the step's device time, and the device's idle time since the previous step ended."""
+    def _time_device(self, step: InflightStep) -> float | None:
+        """Add the step's device time, and the device's idle time since the previous step ended;
+        returns the device seconds from the previous step's end to this one's (None where the
+        runtime does not time, or no step ran just before)."""
         if self.backend.runtime.is_host:
-            return
+            return None
         self.stats.device_busy_s += step.begin.elapsed_time(step.event) / 1e3
+        interval = None
         if self._last_end is not None:
             self.stats.device_idle_s += max(0.0, self._last_end.elapsed_time(step.begin) / 1e3)
+            interval = self._last_end.elapsed_time(step.event) / 1e3
         self._last_end = step.event
+        return interval
 
-    def _observe(self, step: InflightStep, rows: int, committed: int) -> None:
-        """Feed a finished step to the statistics and the speculation policy."""
+    def _observe(self, step: InflightStep, rows: int, committed: int, interval: float | None) -> None:
+        """Feed a finished step to the statistics and the speculation policy: its time is the
+        device's ``interval`` since the previous step ended where the runtime times it, else the
+        host's since it saw the previous step done."""
         done = step.done_at
         if step.kind == "decode":
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
             last = self._last_done
-            self.policy.observe(step.tree_size, rows, committed,
-                                done - last[1] if last is not None and last[0] == "decode" else None)
+            seconds = None
+            if last is not None and last[0] == "decode":
+                seconds = interval if not self.backend.runtime.is_host else done - last[1]
+            self.policy.observe(step.tree_size, rows, committed, seconds)
         self._last_done = (step.kind, done)
 
     def _process(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:

@@ -3,10 +3,11 @@
 A verify step over n nodes per request costs more than a plain decode step, and pays off only
 when enough drafts are accepted; which n wins depends on the batch (B*n rows go through the
 model), the device and the text. The ``auto`` policy measures while serving: for each tree size
-of 1, 2, 4, ... up to D it keeps moving averages of the tokens committed per request per step
-and of the wall time per request per step (time between the completions of consecutive decode
-steps, so host overheads count too), and runs the size with the highest estimated tokens per
-second.
+of 1, 2, 4, ... up to D it keeps a moving average of the tokens committed per request per step
+and the median time per request per step over its last few steps (the time between the
+completions of consecutive decode steps, so host overheads count too: the engine times it on the
+device where it can, see :meth:`observe`), and runs the size with the highest estimated tokens
+per second.
 
 It searches locally, from the plain step up: it starts at size 1 and tries the next larger size
 once the best size is known, climbing while each size beats the one below it, so a batch where
@@ -21,6 +22,9 @@ unaffected: every step is exact whatever size it uses.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 
 class _Average:
     """An exponential moving average that is None until its first sample."""
@@ -31,6 +35,21 @@ class _Average:
 
     def add(self, sample: float) -> None:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+class _Median:
+    """The median of the last ``window`` samples (None before the first): one stalled step (a
+    collection, a page fault, another process) does not move it."""
+
+    def __init__(self, window: int):
+        self.samples: deque[float] = deque(maxlen=window)
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
 
 
 def tree_sizes(num_nodes: int) -> list[int]:
@@ -49,11 +68,12 @@ class SpecPolicy:
             recently (the gap while the best size keeps changing).
         max_probe_every: the most steps between two probes (the gap once the best size has held);
             default ``8 * probe_every``.
-        decay: weight of the past in the moving averages.
+        decay: weight of the past in the moving average of the tokens per step.
+        window: steps of each size whose median time is its time per step.
     """
 
     def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, decay: float = 0.7,
-                 max_probe_every: int | None = None):
+                 max_probe_every: int | None = None, window: int = 5):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
         self.num_nodes = num_nodes
@@ -65,7 +85,7 @@ class SpecPolicy:
         self._best: int | None = None
         self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
         self._tokens = {n: _Average(decay) for n in self.sizes}
-        self._seconds = {n: _Average(decay) for n in self.sizes}
+        self._seconds = {n: _Median(window) for n in self.sizes}
         self._last_run = {n: 0 for n in self.sizes}
         self._steps = 0
         self.chosen = {n: 0 for n in self.sizes}
@@ -116,8 +136,13 @@ class SpecPolicy:
     def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None) -> None:
         """A finished verify step run at size ``nodes`` (as :meth:`choose` gave it, even when the
         step was cut short to fewer drafted nodes): ``rows`` requests committed ``tokens`` in
-        ``seconds`` of wall time (None when the time is not a clean per-step sample, e.g. a
-        prefill ran in between)."""
+        ``seconds``, the time from the previous decode step's completion to this one's (None
+        when that is not a clean per-step sample, e.g. a prefill ran in between).
+
+        Where steps overlap, the completions must be read on the device: the host learns of a
+        step's completion only when it waits for it, which for an overlapped step is after it
+        has launched the next one, so host times move the launch cost of a step onto the one
+        before it."""
         if rows == 0:
             return
         before = self.rate(nodes)

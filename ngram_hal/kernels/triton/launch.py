@@ -21,7 +21,8 @@ class LaunchConfig:
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
-        attn_min_split: fewest keys a split of the keys may hold (None: four steps of the key loop).
+        attn_min_split: fewest keys a split of the keys may hold (None: one step of the key loop
+            for decode, four otherwise).
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
@@ -77,10 +78,17 @@ class LaunchConfig:
         key_bytes = self.attn_key_bytes * (2 if decode else 1)
         return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
 
-    def attn_split_keys(self, block_n: int) -> int:
+    def attn_split_keys(self, block_n: int, decode: bool = False) -> int:
         """Fewest keys one split of the attention keys holds: ``attn_min_split``, or four steps of
-        ``block_n`` keys (enough work per program to hide the split's merge)."""
-        return self.attn_min_split if self.attn_min_split is not None else 4 * block_n
+        ``block_n`` keys (enough work per program to hide the split's merge), one for decode.
+
+        Decode programs hold one query row per query head: too little work for their serial key
+        loop to pay, and a captured step bounds the keys by the request table's width, so most
+        splits of a short context are empty and return at once; one step each keeps a decode
+        step's latency at one key block and the merge."""
+        if self.attn_min_split is not None:
+            return self.attn_min_split
+        return block_n if decode else 4 * block_n
 
     def attn_stages(self, decode: bool = False) -> int:
         """Pipelining stages of the attention key loop: one more for decode programs."""

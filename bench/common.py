@@ -119,6 +119,8 @@ def fresh_drafting(engine) -> None:
 
     config = engine.config
     engine.drafter = make_drafter(config.drafter) if engine.num_nodes > 1 else None
+    if engine.drafter is not None:
+        engine.drafter.prepare()  # as a new engine does: its memory mapped before any request
     engine.policy = SpecPolicy(engine.num_nodes, config.spec_policy, config.probe_every)
 
 

@@ -50,7 +50,11 @@ def test_pending_tokens_count_as_context(drafter):
 @FAST
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=60), st.lists(st.integers(0, 12), max_size=20))
 def test_prepare_changes_no_draft(prompt, more):
-    for make in DRAFTERS.values():
+    small = [lambda: TrieDrafter(max_depth=6, capacity=4096),
+             lambda: TrieDrafter(max_depth=6, mode="frequency", capacity=4096),
+             lambda: TrieDrafter(max_depth=6, shared=False, capacity=4096),
+             lambda: LinearDrafter(max_ngram=4, capacity=4096)]
+    for make in small:
         lazy, eager = make(), make()
         for d in (lazy, eager):
             d.add_request("r", prompt)

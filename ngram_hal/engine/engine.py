@@ -182,6 +182,8 @@ class Engine:
                                self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens)
         self.drafter = drafter if drafter is not None else (
             make_drafter(self.config.drafter) if self.num_nodes > 1 else None)
+        if self.drafter is not None:
+            self.drafter.prepare()  # memory the drafter maps lazily is mapped now, not at the first requests
         if eos_token_ids is None:
             eos = model.config.eos_token_id
             eos_token_ids = [] if eos is None else [eos]

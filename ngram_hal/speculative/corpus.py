@@ -116,6 +116,7 @@ class Corpus:
         self._pending_rows: list[int] = []
         self._pending_lens: list[int] = []
         self._pending: list[int] = []
+        self._mapped = False
         if self.shared:
             self._shared_root = trie.new_root(self._nodes, self._table, self._meta, self._state,
                                               self._evict_want)
@@ -163,6 +164,18 @@ class Corpus:
         self._state[row] = -1
         del self._rows[key]
         self._free_rows.append(row)
+
+    def map_memory(self) -> None:
+        """Have the hash table's pages mapped now (once; the first call writes the whole table).
+
+        The table is allocated lazily, zero pages mapped on first touch, and inserts touch it at
+        random: until most pages are mapped, each new n-gram costs a page fault. On a virtual
+        machine that is tens of milliseconds over a first prompt; a caller with time to spare
+        (an engine starting) pays it here instead.
+        """
+        if not self._mapped:
+            self._table.fill(0)
+            self._mapped = True
 
     def flush(self) -> None:
         """Record every pending token, in the order the tokens were given (one compiled call)."""

@@ -90,9 +90,10 @@ class Drafter(abc.ABC):
     def prepare(self) -> None:
         """Do now the work that the contexts given so far leave for the next :meth:`draft`.
 
-        A hint from a caller that has host time to spare (the device is busy): a drafter that
-        records contexts lazily records them here, off the path of the next draft. Drafting
-        gives the same trees with or without it. The default does nothing.
+        A hint from a caller that has host time to spare (the device is busy, or the engine is
+        starting): a drafter that records contexts lazily records them here, off the path of the
+        next draft, and one that maps memory lazily maps it at the first call. Drafting gives the
+        same trees with or without it. The default does nothing.
         """
 
 
@@ -168,6 +169,7 @@ class TrieDrafter(Drafter):
         self.corpus.erase(rid)
 
     def prepare(self) -> None:
+        self.corpus.map_memory()
         self.corpus.flush()
 
 
@@ -227,6 +229,7 @@ class LinearDrafter(Drafter):
         del self._context[rid]
 
     def prepare(self) -> None:
+        self.corpus.map_memory()
         self.corpus.flush()
 
     def _context_of(self, rid: Hashable) -> array:

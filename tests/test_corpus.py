@@ -340,3 +340,18 @@ def test_memory_is_sized_by_capacity():
     corpus.flush()
     assert corpus.nbytes <= before + 1024  # no growth: only the stream rows
     assert corpus.num_nodes <= 1 << 14
+
+
+def test_map_memory_keeps_what_the_corpus_holds():
+    text = [int(t) for t in np.random.default_rng(5).integers(0, 30, 200)]
+    corpus = Corpus(max_depth=6, capacity=4096)
+    corpus.open("a", text)
+    before = corpus.draft(["a"], 8)
+    counts = [corpus.count(text[i:i + 3]) for i in range(0, 190, 7)]
+    table = corpus._table.copy()
+    corpus.map_memory()
+    corpus.map_memory()
+    assert np.array_equal(corpus._table, table)
+    assert [corpus.count(text[i:i + 3]) for i in range(0, 190, 7)] == counts
+    after = corpus.draft(["a"], 8)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))

@@ -166,15 +166,18 @@ class Corpus:
         self._free_rows.append(row)
 
     def map_memory(self) -> None:
-        """Have the hash table's pages mapped now (once; the first call writes the whole table).
+        """Have the hash table's pages mapped now (once; later calls do nothing).
 
         The table is allocated lazily, zero pages mapped on first touch, and inserts touch it at
         random: until most pages are mapped, each new n-gram costs a page fault. On a virtual
         machine that is tens of milliseconds over a first prompt; a caller with time to spare
-        (an engine starting) pays it here instead.
+        (an engine starting) pays it here instead. One entry of every page is written back
+        with its own value, so what the corpus holds is unchanged.
         """
         if not self._mapped:
-            self._table.fill(0)
+            flat = self._table.reshape(-1)
+            stride = max(1, 4096 // flat.itemsize)
+            flat[::stride] = flat[::stride].copy()  # a copy: numpy skips assigning a view to itself
             self._mapped = True
 
     def flush(self) -> None:

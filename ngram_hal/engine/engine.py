@@ -47,7 +47,7 @@ from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .graphs import StepGraphs
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
-from .policy import SpecPolicy
+from .policy import SpecPolicy, tree_sizes
 from .request import Request, RequestOutput, SamplingParams, Status
 from .sampling import SamplingBatch, draw_uniforms, sample_from_probs, token_logprobs
 from .scheduler import Scheduler
@@ -66,7 +66,8 @@ class EngineConfig(BaseModel):
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
     at most :meth:`max_spec_nodes` of it.
     ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
-    where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or with a strict backend).
+    where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or
+    with a strict backend).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -140,15 +141,6 @@ class EngineStats:
         return self.decode_tokens / self.decode_rows if self.decode_rows else 0.0
 
 
-def graph_node_sizes(num_nodes: int) -> list[int]:
-    """Tree sizes a step can run with graphs on: the powers of two below ``num_nodes``, and it."""
-    sizes, n = [], 1
-    while n < num_nodes:
-        sizes.append(n)
-        n *= 2
-    return sizes + [num_nodes]
-
-
 def make_drafter(kind: str):
     """The drafter named ``kind`` (``"trie"`` or ``"linear"``) with its default settings."""
     from ..speculative.drafter import LinearDrafter, TrieDrafter
@@ -191,7 +183,8 @@ class Engine:
         self.graphs = None
         if self.config.graphs and self.backend.runtime.graph_capture and not self.backend.strict:
             self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, self.config.max_running)
-            self.graphs.capture_all(graph_node_sizes(self.num_nodes))
+            # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
+            self.graphs.capture_all(tree_sizes(self.num_nodes))
         self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
         self.relay = OverlapRelay.empty(self.num_nodes, self.device)
         self._last_done: tuple[str, float] | None = None

@@ -45,6 +45,16 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def _index(n: int, fill: int, device) -> torch.Tensor:
+    """A static int64[n] input buffer holding ``fill``."""
+    return torch.full((n,), fill, dtype=torch.int64, device=device)
+
+
+def _identity_masks(padded: int, nodes: int, device) -> torch.Tensor:
+    """A static bool[padded, nodes, nodes] tree-mask buffer holding identities (trees of roots)."""
+    return torch.eye(nodes, dtype=torch.bool, device=device).expand(padded, nodes, nodes).contiguous()
+
+
 def prefill_bucket(num_tokens: int) -> int:
     """Padded length of a one-request prefill: the next power of two from 16 up to 512, then the
     next multiple of 512."""
@@ -67,15 +77,11 @@ class PaddedPrefill:
             raise ValueError(f"padded: {padded} tokens exceed the request table's {req_to_token.shape[1]} positions")
         self.model, self.kv, self.padded = model, kv, padded
         dev = model.device
-
-        def index(n: int, fill: int) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=torch.int64, device=dev)
-
         self.batch = ForwardBatch(
-            input_ids=index(padded, 0), positions=torch.arange(padded, dtype=torch.int64, device=dev),
-            out_cache_loc=index(padded, -1), req_to_token=req_to_token, req_pool_indices=index(1, 0),
-            kv_lens=index(1, padded), q_lens=index(1, padded), tree_mask=None, max_kv_len=padded,
-            logits_index=index(1, 0))
+            input_ids=_index(padded, 0, dev), positions=torch.arange(padded, dtype=torch.int64, device=dev),
+            out_cache_loc=_index(padded, -1, dev), req_to_token=req_to_token, req_pool_indices=_index(1, 0, dev),
+            kv_lens=_index(1, padded, dev), q_lens=_index(1, padded, dev), tree_mask=None, max_kv_len=padded,
+            logits_index=_index(1, 0, dev))
 
     def load(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, row: torch.Tensor) -> None:
         """Copy in one request's prompt: input_ids and out_cache_loc int64[N] (N <= padded), row int64[1]."""
@@ -105,17 +111,13 @@ class GreedyStep:
     def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, nodes: int):
         self.model, self.kv, self.req_to_token = model, kv, req_to_token
         self.padded, self.nodes = padded, nodes
-        dev, N = model.device, padded * nodes
-
-        def index(n: int, fill: int) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=torch.int64, device=dev)
-
-        self.tokens = index(N, 0)
-        self.rows = index(padded, 0)
-        self.seq_lens = index(padded, 0)
-        self.count = index(1, 0)
-        self.q_lens = index(padded, nodes)
-        self.tree_mask = torch.eye(nodes, dtype=torch.bool, device=dev).expand(padded, nodes, nodes).contiguous()
+        dev = model.device
+        self.tokens = _index(padded * nodes, 0, dev)
+        self.rows = _index(padded, 0, dev)
+        self.seq_lens = _index(padded, 0, dev)
+        self.count = _index(1, 0, dev)
+        self.q_lens = _index(padded, nodes, dev)
+        self.tree_mask = _identity_masks(padded, nodes, dev)
         self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -281,16 +283,11 @@ class StepGraphs:
         entry = self._forwards.get(key)
         if entry is None:
             dev, N = self.model.device, padded * nodes
-
-            def index(n: int, fill: int) -> torch.Tensor:
-                return torch.full((n,), fill, dtype=torch.int64, device=dev)
-
-            tree_mask = None
-            if nodes > 1:
-                tree_mask = torch.eye(nodes, dtype=torch.bool, device=dev).expand(padded, nodes, nodes).contiguous()
-            batch = ForwardBatch(input_ids=index(N, 0), positions=index(N, 0), out_cache_loc=index(N, -1),
-                                 req_to_token=self.req_to_token, req_pool_indices=index(padded, 0),
-                                 kv_lens=index(padded, 0), q_lens=index(padded, nodes), tree_mask=tree_mask,
+            tree_mask = _identity_masks(padded, nodes, dev) if nodes > 1 else None
+            batch = ForwardBatch(input_ids=_index(N, 0, dev), positions=_index(N, 0, dev),
+                                 out_cache_loc=_index(N, -1, dev), req_to_token=self.req_to_token,
+                                 req_pool_indices=_index(padded, 0, dev), kv_lens=_index(padded, 0, dev),
+                                 q_lens=_index(padded, nodes, dev), tree_mask=tree_mask,
                                  max_kv_len=self.req_to_token.shape[1], logits_index=None)
             graph, logits = self._capture(lambda: self.model.forward(batch, self.kv))
             entry = self._forwards[key] = _Forward(batch, graph, logits)

@@ -4,8 +4,9 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 * Replaying captured graphs (decode and verify steps, and padded one-request prefills) gives the
   tokens of eager forwards (batch-invariant mode, where both read the keys in the same fixed
   chunks).
-* Greedy with speculation equals greedy without it in the batch-invariant mode for chain-shaped
-  drafts (prompt lookup): each accepted node sits at the position plain decoding gives it.
+* Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
+  drafts (prompt lookup) and branching trie trees: each tree node reads its path at the positions
+  plain decoding gives it once accepted.
 * After warm-up, a run with graphs makes no hidden host sync.
 """
 
@@ -76,10 +77,11 @@ def test_graphs_replay_the_eager_forward(backend, prompts, alone):
 
 
 @gpu
-def test_invariant_greedy_speculation_equals_plain(backend, prompts):
+@pytest.mark.parametrize("drafter", ["linear", "trie"])
+def test_invariant_greedy_speculation_equals_plain(backend, prompts, drafter):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
     _, plain = _run(model, prompts, spec_nodes=1)
-    engine, spec = _run(model, prompts, spec_nodes=8, drafter="linear")
+    engine, spec = _run(model, prompts, spec_nodes=8, drafter=drafter)
     assert engine.stats.tokens_per_step > 1.0, "the prompts must accept drafts for this test to cover speculation"
     assert spec == plain
 

@@ -111,3 +111,21 @@ def test_one_stalled_step_does_not_move_the_choice():
     policy.observe(1, 16, 16, 16 * 50.0)  # a size-1 step that took 500 times as long
     assert max(policy.sizes, key=lambda n: policy.rate(n) or 0) == 1
     assert drive(policy, 5, cost, tokens).count(1) >= 4
+
+
+def test_auto_scores_the_slowest_request():
+    """Half the batch copies (5 tokens a step at size 8), half never accepts a draft (1 token):
+    the mean (3 tokens for a 2x dearer step) favours 8 nodes, but the batch ends with its
+    slow half, which 8 nodes only slow down; scored by the slowest request, auto stays plain."""
+    cost = {1: 0.1, 2: 0.13, 4: 0.16, 8: 0.2}
+    fast = {1: 1, 2: 2, 4: 3, 8: 5}
+    for slowest, want in ((None, 8), (True, 1)):
+        policy = SpecPolicy(8, "auto", probe_every=8)
+        chosen = []
+        for _ in range(60):
+            n = policy.choose()
+            chosen.append(n)
+            tokens = 8 * fast[n] + 8 * 1
+            policy.observe(n, 16, tokens, cost[n] * 16, 1 if slowest else None)
+        tail = chosen[20:]
+        assert max(set(tail), key=tail.count) == want, (slowest, chosen)

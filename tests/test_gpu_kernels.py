@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from ngram_hal.engine.ops import apply_rotary, rms_norm as torch_rms_norm, rotary  # noqa: E402
-from ngram_hal.kernels.gpu.matmul import invariant_linear  # noqa: E402
+from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
 from ngram_hal.kernels.gpu.swiglu import swiglu  # noqa: E402
@@ -79,11 +79,38 @@ def test_invariant_linear(dtype):
         assert torch.equal(sub, out[rows]), f"rows {rows} differ when computed in a smaller batch"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tiling", [INVARIANT, Tiling(16, 16, 64)], ids=["invariant", "16x16x64"])
+def test_fused_linear_norm_glu_and_residual(dtype, tiling):
+    """RMSNorm (its weight folded into the product's) before the product, SwiGLU after a gate/up
+    product, the residual add: the values of the separate kernels around the product."""
+    M, K, N = 5, 200, 40
+    x, w, g = _randn(M, K, dtype=dtype, seed=8), _randn(N, K, dtype=dtype, seed=9), _randn(K, dtype=dtype, seed=10)
+    tol = TOL[dtype] * 10
+    want = rms_norm(x, g, 1e-5).double() @ w.double().T
+    got = fused_linear(x, fold_norm(w, g), norm_eps=1e-5, tiling=tiling)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    gate_up = _randn(2 * N, K, dtype=dtype, seed=11)
+    want = swiglu((rms_norm(x, g, 1e-5).double() @ gate_up.double().T).to(dtype)).double()
+    got = fused_linear(x, fold_norm(gate_up, g), norm_eps=1e-5, glu=True, tiling=tiling)
+    torch.testing.assert_close(got.double(), want, atol=tol * 4, rtol=tol)
+    residual = _randn(M, N, dtype=dtype, seed=12)
+    before = residual.clone()
+    out = fused_linear(x, w, residual=residual, tiling=tiling)
+    assert out.data_ptr() == residual.data_ptr(), "the residual is not updated in place"
+    torch.testing.assert_close(residual.double(), before.double() + x.double() @ w.double().T, atol=tol * 4, rtol=tol)
+
+
 def test_wrappers_refuse_bad_shapes():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="rms_norm"):
         rms_norm(x, torch.zeros(7, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="swiglu"):
         swiglu(torch.zeros(2, 7, device=DEVICE))
-    with pytest.raises(ValueError, match="invariant_linear"):
+    with pytest.raises(ValueError, match="fused_linear: need contiguous x"):
         invariant_linear(x, torch.zeros(3, 9, device=DEVICE))
+    w = torch.zeros(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="fused_linear: need contiguous x"):
+        fused_linear(x, w, glu=True)
+    with pytest.raises(ValueError, match="fused_linear: residual must be"):
+        fused_linear(x, w, residual=torch.zeros(2, 4, device=DEVICE))

@@ -1,8 +1,11 @@
-"""The model on a backend that runs Triton kernels (fused norm, rotary/store, SwiGLU, attention)
+"""The model on a backend that runs Triton kernels (fused norm, rotary/store, SwiGLU, attention,
+fused products)
 against the same weights on the reference backend, and its batch-invariant mode: prefill, decode
 and tree-verify logits. Under Triton's interpreter here (float32), compiled on a CUDA device."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,10 +21,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[1, 5, 9, 14, 3, 22, 7], [1, 40, 41], [1, 8, 8, 8, 8, 8, 8, 8, 8, 2, 11]]
 
 
-def _sessions(batch_invariant: bool = False):
+def _sessions(batch_invariant: bool = False, fused_rows: int | None = None):
     weights = random_weights(TINY, seed=5)
     ref = LlamaModel(TINY, weights, CpuBackend(), torch.float32)
-    tri = LlamaModel(TINY, weights, CudaBackend(device=DEVICE), torch.float32, batch_invariant=batch_invariant)
+    backend = CudaBackend(device=DEVICE)
+    if fused_rows is not None:
+        backend.launch = dataclasses.replace(backend.launch, fused_linear_rows=fused_rows)
+    tri = LlamaModel(TINY, weights, backend, torch.float32, batch_invariant=batch_invariant)
     return Session(ref), Session(tri)
 
 
@@ -29,8 +35,11 @@ def _close(got, want, what):
     torch.testing.assert_close(got.cpu(), want.cpu(), atol=2e-4, rtol=2e-4, msg=lambda m: f"{what}: {m}")
 
 
-def test_prefill_decode_and_tree_match_the_reference():
-    ref, tri = _sessions()
+@pytest.mark.parametrize("fused_rows", [0, 16], ids=["apart", "fused-to-16-rows"])
+def test_prefill_decode_and_tree_match_the_reference(fused_rows):
+    """Projections with their norm/SwiGLU/residual fused in (up to 16 rows: the decode and tree
+    steps, not the 21-row prefill) or run apart: both match the reference."""
+    ref, tri = _sessions(fused_rows=fused_rows)
     requests = list(enumerate(PROMPTS))
     _close(tri.extend(requests), ref.extend(requests), "prefill")
     step = [(0, [3]), (1, [9]), (2, [8])]

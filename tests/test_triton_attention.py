@@ -117,3 +117,46 @@ def test_default_mode_never_reads_or_writes_outside(bad):
     want = dense_attention(good["q"][:2], good["kv"].k, good["kv"].v, good["layer"], good["req_to_token"],
                            good["req_pool_indices"][:1], good["kv_lens"][:1], good["q_lens"][:1], good["sm_scale"])
     torch.testing.assert_close(out[:2].cpu().double(), want[:2], atol=1e-3, rtol=1e-3)
+
+
+def _invariant(backend, a, **changes):
+    a = {**a, **changes}
+    layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                      a["q"].shape[0], a["tree_mask"], a["req_to_token"].shape[1],
+                                      batch_invariant=True)
+    return backend.attention(**a, layout=layout)
+
+
+@pytest.mark.parametrize("name", ["tree", "tree-deep"])
+def test_invariant_tree_matches_dense(name):
+    call = attention_call(random.Random(name), DEVICE, torch.float32, heads=(6, 2), poison=True, spare_slots=6,
+                          **CASES[name])
+    a = call.args
+    want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
+                           a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
+    torch.testing.assert_close(_invariant(_backend(True), a).cpu().double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_invariant_tree_rows_equal_decode_of_their_path(dtype):
+    """Batch-invariant mode: a tree node's output is bit for bit the decode output of the same query
+    once its path (its ancestors, then itself) has been accepted, i.e. moved to the positions right
+    after the prefix, whatever other branches the tree had."""
+    parents = [-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8]
+    D, prefix = len(parents), 29
+    call = attention_call(random.Random("path"), DEVICE, dtype, heads=(6, 2), kv_lens=[prefix + D], q_lens=[D],
+                          trees=[parents], extra_cols=8)
+    backend = _backend(True)
+    a = call.args
+    tree_out = _invariant(backend, a)
+    r = int(a["req_pool_indices"][0])
+    for i in range(D):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        table = a["req_to_token"].clone()
+        table[r, prefix:prefix + len(path)] = a["req_to_token"][r, [prefix + j for j in reversed(path)]]
+        decode = _invariant(backend, a, req_to_token=table, q=a["q"][i:i + 1].contiguous(), tree_mask=None,
+                            kv_lens=torch.tensor([prefix + len(path)], device=DEVICE),
+                            q_lens=torch.tensor([1], device=DEVICE))
+        assert torch.equal(decode[0], tree_out[i]), f"node {i} (path {path[::-1]}) differs from its decode"

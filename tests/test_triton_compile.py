@@ -48,19 +48,21 @@ KERNELS["move_kv registers"] = ("triton.kv", "_move_kv_kernel", MOVE_ARGS,
 KERNELS["move_kv scratch"] = ("triton.kv", "_move_kv_kernel", MOVE_ARGS, dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=True), 16)
 ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_o_ptr=F32P, mid_lse_ptr=F32P,
                       req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
-                      tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, B="i32", R="i32", M="i32", S="i32",
+                      tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, path_ptr=I64P, B="i32", R="i32", M="i32", S="i32",
                       N="i32", stride_slot="i32", sm_scale_log2="fp32", chunk="i32")
-# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split): SmolLM2 and Llama-8B heads; decode, tree verify, prefill.
+# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path): SmolLM2 and Llama-8B heads; decode, tree verify
+# (also along each node's path: the batch-invariant mode), prefill.
 ATTENTION_CASES = {
-    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True),
-    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 64, False),
-    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True),
-    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True),
+    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False),
+    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 64, False, False),
+    "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True),
+    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False),
+    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False),
 }
-for name, (Hq, H, d, T, BQ, BM, BN, split) in ATTENTION_CASES.items():
+for name, (Hq, H, d, T, BQ, BM, BN, split, path) in ATTENTION_CASES.items():
     KERNELS[f"attention {name}"] = ("triton.attention", "_attention_kernel", ATTENTION_ARGS,
                                     dict(Hq=Hq, H=H, HEAD_DIM=d, TREE_D=T, BLOCK_Q=BQ, BLOCK_M=BM, BLOCK_N=BN,
-                                         BLOCK_D=d, SPLIT=split, IEEE=False, UPCAST=False), 4)
+                                         BLOCK_D=d, SPLIT=split, PATH=path, IEEE=False, UPCAST=False), 4)
 KERNELS["attention merge"] = ("triton.attention", "_merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, SPLITS="i32"),
                               dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64), 4)
@@ -72,9 +74,12 @@ KERNELS["rotary_store"] = ("gpu.rotary", "_rotary_store_kernel",
                                 loc_ptr=I64P, max_pos="i32", num_slots="i32"),
                            dict(HQ=9, H=3, HEAD_DIM=64, BLOCK_H=16, HALF=32), 4)
 KERNELS["swiglu"] = ("gpu.swiglu", "_swiglu_kernel", dict(x_ptr=BF16P, out_ptr=BF16P, inter="i32"), dict(BLOCK=1024), 4)
-KERNELS["invariant_linear"] = ("gpu.matmul", "_matmul_kernel", dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, M="i32",
-                                                                      N="i32", K="i32"),
-                               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, IEEE=False, UPCAST=False), 4)
+for norm, glu, add in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
+    KERNELS[f"fused_linear norm {norm} glu {glu} add {add}"] = (
+        "gpu.matmul", "_linear_kernel",
+        dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, M="i32", N="i32", K="i32", eps="fp32"),
+        dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NORM_BLOCK=1024, IEEE=False,
+             UPCAST=False), 4)
 DIVISIBLE_BY_16 = {"row_len", "layer_stride"}
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 

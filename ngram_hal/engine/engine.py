@@ -531,7 +531,7 @@ class Engine:
         D = step.num_nodes
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
-        ended, rows, committed = [], 0, 0
+        ended, rows, committed, slowest = [], 0, 0, None
         for b, r in enumerate(step.reqs):
             r.inflight -= 1
             if r.finished:
@@ -543,6 +543,7 @@ class Engine:
                 r.verify_steps += 1
                 rows += 1
                 committed += n
+                slowest = n if slowest is None else min(slowest, n)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)
@@ -557,7 +558,7 @@ class Engine:
             self.stats.draft_s += time.perf_counter() - drafting
         self._release(ended)
         step.absorbed = True
-        self._observe(step, rows, committed, self._time_device(step))
+        self._observe(step, rows, committed, slowest, self._time_device(step))
         self.stats.wait_s += step.wait_s
         elapsed = time.perf_counter() - start
         if critical:
@@ -579,8 +580,10 @@ class Engine:
         self._last_end = step.event
         return interval
 
-    def _observe(self, step: InflightStep, rows: int, committed: int, interval: float | None) -> None:
-        """Feed a finished step to the statistics and the speculation policy: its time is the
+    def _observe(self, step: InflightStep, rows: int, committed: int, slowest: int | None,
+                 interval: float | None) -> None:
+        """Feed a finished step to the statistics and the speculation policy (``slowest``: the
+        fewest tokens a request committed, what the policy scores): its time is the
         device's ``interval`` since the previous step ended where the runtime times it, else the
         host's since it saw the previous step done."""
         done = step.done_at
@@ -591,7 +594,7 @@ class Engine:
             seconds = None
             if last is not None and last[0] == "decode":
                 seconds = interval if not self.backend.runtime.is_host else done - last[1]
-            self.policy.observe(step.tree_size, rows, committed, seconds)
+            self.policy.observe(step.tree_size, rows, committed, seconds, slowest)
         self._last_done = (step.kind, done)
 
     def _process(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:

@@ -61,10 +61,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def make_linear(weight: torch.Tensor, batch_invariant: bool = False) -> Linear:
-    """A linear layer over ``weight`` (float[N, K], already on its device and in its dtype)."""
+def make_linear(weight: torch.Tensor, batch_invariant: bool = False, panels: bool = True) -> Linear:
+    """A linear layer over ``weight`` (float[N, K], already on its device and in its dtype);
+    ``panels=False`` keeps a float32 CPU weight dense (for kernels that read ``layer.weight``)."""
     if batch_invariant:
         return InvariantLinear(weight)
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+    if panels and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return PanelLinear(weight)
     return DenseLinear(weight)

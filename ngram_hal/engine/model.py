@@ -4,7 +4,8 @@ Per layer: RMSNorm (with the residual add), fused QKV projection, rotary embeddi
 token's position and the K/V store, ``backend.attention`` over the cache, output projection,
 RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``. The norm, rotary/store and SwiGLU
 steps are :mod:`ngram_hal.engine.ops` (plain torch with the backend's ``store_kv``, or fused Triton
-kernels where the backend runs Triton); the projections are :mod:`ngram_hal.engine.linear` layers
+kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU and the
+residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
 (panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere,
 or a batch-invariant Triton product).
 """
@@ -58,10 +59,10 @@ class ForwardBatch:
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: folded into wqkv (see TorchOps.fold_norm)
     wqkv: Linear
     wo: Linear
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor | None  # None: folded into w_gate_up
     w_gate_up: Linear
     w_down: Linear
 
@@ -134,16 +135,17 @@ class LlamaModel:
         self.dtype = dtype
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
-        self.ops = make_ops(config, backend, dtype)
         self.batch_invariant = batch_invariant
         if batch_invariant and getattr(backend, "model_kernels", "torch") != "triton":
             raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{backend.name}'")
+
+        self.ops = make_ops(config, backend, dtype, batch_invariant)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
         def make_linear(weight: torch.Tensor) -> Linear:
-            return linear_for(weight, batch_invariant)
+            return linear_for(weight, batch_invariant, panels=not self.ops.fuses_products)
 
         self.embed = make_linear(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
@@ -151,15 +153,13 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(_Layer(
-                attn_norm=w(p + "input_layernorm.weight"),
-                wqkv=make_linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                            w(p + "self_attn.v_proj.weight")])),
-                wo=make_linear(w(p + "self_attn.o_proj.weight")),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-                w_gate_up=make_linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                w_down=make_linear(w(p + "mlp.down_proj.weight")),
-            ))
+            attn_norm, wqkv = self.ops.fold_norm(w(p + "input_layernorm.weight"), torch.cat(
+                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")]))
+            mlp_norm, w_gate_up = self.ops.fold_norm(w(p + "post_attention_layernorm.weight"), torch.cat(
+                [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
+            self.layers.append(_Layer(attn_norm=attn_norm, wqkv=make_linear(wqkv), wo=make_linear(w(p + "self_attn.o_proj.weight")),
+                                      mlp_norm=mlp_norm, w_gate_up=make_linear(w_gate_up),
+                                      w_down=make_linear(w(p + "mlp.down_proj.weight"))))
 
     @classmethod
     def from_gguf(cls, backend: Backend, path: str | os.PathLike | None = None,
@@ -219,12 +219,13 @@ class LlamaModel:
         x = self.embed.rows(batch.input_ids)
         delta = None
         for i, layer in enumerate(self.layers):
-            h = ops.norm(x, layer.attn_norm, delta)
-            q = ops.rope_store(rope, layer.wqkv(h), kv, i, batch.out_cache_loc)
+            qkv = ops.norm_linear(x, layer.attn_norm, layer.wqkv, delta)
+            q = ops.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len, layout)
-            h = ops.norm(x, layer.mlp_norm, layer.wo(o.reshape(N, q_size)))
-            delta = layer.w_down(ops.swiglu(layer.w_gate_up(h)))
+            delta = ops.linear_add(o.reshape(N, q_size), layer.wo, x)
+            h = ops.norm_swiglu(x, layer.mlp_norm, layer.w_gate_up, delta)
+            delta = ops.linear_add(h, layer.w_down, x)
         h = ops.norm(x, self.norm, delta)
         if batch.logits_index is not None:
             h = h.index_select(0, batch.logits_index)

@@ -7,7 +7,10 @@ of 1, 2, 4, ... up to D it keeps a moving average of the tokens committed per re
 and the median time per request per step over its last few steps (the time between the
 completions of consecutive decode steps, so host overheads count too: the engine times it on the
 device where it can, see :meth:`observe`), and runs the size with the highest estimated tokens
-per second.
+per second. The tokens it counts are those of the step's slowest request (the fewest any request
+committed): a batch is done when its slowest request is, so a size that makes every step dearer
+pays only when it speeds up all of the batch, not just its copy-heavy requests. (With one
+request that is simply its tokens per step.)
 
 It searches locally, from the plain step up: it starts at size 1 and tries the next larger size
 once the best size is known, climbing while each size beats the one below it, so a batch where
@@ -133,11 +136,13 @@ class SpecPolicy:
         self.chosen[nodes] += 1
         return nodes
 
-    def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None) -> None:
+    def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None, slowest: int | None = None) -> None:
         """A finished verify step run at size ``nodes`` (as :meth:`choose` gave it, even when the
         step was cut short to fewer drafted nodes): ``rows`` requests committed ``tokens`` in
         ``seconds``, the time from the previous decode step's completion to this one's (None
-        when that is not a clean per-step sample, e.g. a prefill ran in between).
+        when that is not a clean per-step sample, e.g. a prefill ran in between). ``slowest``:
+        the fewest tokens one of those requests committed, the step's score (None: the mean,
+        ``tokens / rows``).
 
         Where steps overlap, the completions must be read on the device: the host learns of a
         step's completion only when it waits for it, which for an overlapped step is after it
@@ -146,7 +151,7 @@ class SpecPolicy:
         if rows == 0:
             return
         before = self.rate(nodes)
-        self._tokens[nodes].add(tokens / rows)
+        self._tokens[nodes].add(tokens / rows if slowest is None else slowest)
         if seconds is not None:
             self._seconds[nodes].add(seconds / rows)
         after = self.rate(nodes)

@@ -13,6 +13,13 @@ The tile table depends only on the batch's metadata, so :func:`attention_layout`
 forward (a few torch ops on the device, no host sync) and every layer reuses it. Its size is a host
 bound: ``sum_b ceil(q_b / BLOCK_Q) <= min(N, (N + B * (BLOCK_Q - 1)) // BLOCK_Q)``.
 
+Batch-invariant mode: every query walks its keys in chunks and blocks at fixed positions, with the
+same tile shape whatever the batch. A tree node there takes a tile of its own and reads its
+ancestors (root first, then itself) at the positions after the prefix that plain decoding gives
+them once accepted, instead of the tree's slots under its mask: its result is bit for bit the one
+a decode step of the same token computes, which is what keeps greedy speculation with branching
+trees identical to greedy decoding (chains sit at those positions already).
+
 Triton's interpreter computes a bfloat16 ``tl.dot`` wrongly, so there (and only there) bfloat16
 operands are widened to float32 before each product.
 
@@ -39,11 +46,11 @@ _LOG2E = 1.4426950408889634
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
-    tile_req_ptr, tile_q0_ptr, tree_mask_ptr,
+    tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, PATH: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,8 +79,12 @@ def _attention_kernel(
         if UPCAST:
             q = q.to(tl.float32)
 
-        # The keys this tile can see: causal queries end at their own position, tree nodes at kv_len.
-        if TREE_D > 0:
+        # The keys this tile can see: causal queries end at their own position, tree nodes at kv_len,
+        # or, reading their path (one tree node per tile), after their own depth.
+        path_row = path_ptr + (b * TREE_D + q0) * (TREE_D + 1)
+        if PATH:
+            kv_end = prefix + tl.load(path_row + TREE_D)
+        elif TREE_D > 0:
             kv_end = kv_len
         else:
             kv_end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)
@@ -88,7 +99,12 @@ def _attention_kernel(
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             in_range = pos < end
-            slot = tl.load(table_row + pos, mask=in_range, other=-1)
+            rel = pos - prefix
+            if PATH:
+                node = tl.load(path_row + rel, mask=in_range & (rel >= 0) & (rel < TREE_D), other=0)
+                slot = tl.load(table_row + tl.where(rel >= 0, prefix + node, pos), mask=in_range, other=-1)
+            else:
+                slot = tl.load(table_row + pos, mask=in_range, other=-1)
             key_ok = in_range & (slot >= 0) & (slot < S)
             offs = kv_base + slot * stride_slot
             k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
@@ -98,8 +114,10 @@ def _attention_kernel(
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k))
-            rel = pos[None, :] - prefix
-            if TREE_D > 0:
+            rel = rel[None, :]
+            if PATH:
+                visible = in_range[None, :]
+            elif TREE_D > 0:
                 in_tree = (rel >= 0) & (rel < TREE_D)
                 seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
                                mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
@@ -172,8 +190,24 @@ class Plan:
         self.q_lens = q_lens
         self.q_start = torch.cumsum(q_lens, 0) - q_lens
         self._tiles: dict[int, _Tiles] = {}
+        self._path: torch.Tensor | None = None
         self.batch_size = layout.batch_size
         self.num_queries = layout.num_queries
+
+    def path(self, tree_mask: torch.Tensor) -> torch.Tensor:
+        """int64[B, D, D + 1]: for tree node i of request b, ``path[b, i, t]`` is its ancestor at depth
+        t (t = 0 the root, up to its own depth: itself) and ``path[b, i, D]`` the nodes on that
+        path. Built on first use."""
+        if self._path is None:
+            B, D, _ = tree_mask.shape
+            count = tree_mask.sum(-1)
+            depth_of = torch.where(tree_mask, (count - 1)[:, None, :], D)
+            nodes = torch.arange(D, dtype=torch.int64, device=tree_mask.device).expand(B, D, D)
+            path = torch.zeros((B, D, D + 1), dtype=torch.int64, device=tree_mask.device)
+            path.scatter_(2, depth_of, nodes)
+            path[:, :, D] = count
+            self._path = path
+        return self._path
 
     def tiles(self, block_q: int) -> _Tiles:
         found = self._tiles.get(block_q)
@@ -222,7 +256,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     max_m = max(16, _pow2(G), cfg.attn_block_m)
     block_m = max_m if layout.batch_invariant else min(_pow2(max(1, per_req) * G), max_m)
     block_m = max(16, block_m)
-    block_q = max(1, block_m // G)
+    on_path = layout.batch_invariant and tree is not None
+    block_q = 1 if on_path else max(1, block_m // G)
     tiles = plan.tiles(block_q)
     num_tiles = tiles.req.shape[0]
     block_d = max(16, _pow2(d))
@@ -254,11 +289,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     _attention_kernel[grid](
         q, k_layer, v_layer, out, mid_o, mid_lse,
         layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
-        tiles.req, tiles.q0, mask,
+        tiles.req, tiles.q0, mask, plan.path(tree) if on_path else plan.q_lens,
         B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
         k_layer.stride(0), sm_scale * _LOG2E, chunk,
         Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+        BLOCK_D=block_d, SPLIT=splits > 1, PATH=on_path, IEEE=q.dtype == torch.float32,
         UPCAST=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
         **cfg.options())

@@ -51,6 +51,12 @@ class LaunchConfig:
             run faster.
         vocab_block: probabilities of one request read per block of a pass over the vocabulary
             (a row's sum, the bonus token's scan).
+        fused_linear_rows: the most rows of a forward whose projections the model runs as fused
+            Triton products (:func:`ngram_hal.kernels.gpu.matmul.fused_linear`: the norm or SwiGLU
+            before the product, the residual add after it, one launch) instead of the norm
+            kernels and the vendor BLAS; 0: never.
+        fused_linear_max_bytes: the largest weight such a product reads; larger ones (bound by
+            bandwidth, where the vendor BLAS is faster) run apart.
     """
 
     warp_size: int = 32
@@ -71,6 +77,8 @@ class LaunchConfig:
     tile: int = 256
     interpreted_tile: int = 1 << 18
     vocab_block: int = 4096
+    fused_linear_rows: int = 64
+    fused_linear_max_bytes: int = 16 << 20
 
     def attn_block_n(self, head_dim: int, elt_bytes: int, decode: bool = False) -> int:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode),
@@ -105,6 +113,8 @@ class LaunchConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split"):
+                continue
+            if f.name == "fused_linear_rows" and value == 0:
                 continue
             if f.name == "kernel_options":
                 if not all(isinstance(k, str) and isinstance(v, int) for k, v in value):

@@ -355,3 +355,34 @@ def test_map_memory_keeps_what_the_corpus_holds():
     assert [corpus.count(text[i:i + 3]) for i in range(0, 190, 7)] == counts
     after = corpus.draft(["a"], 8)
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_background_recording_matches_recording_in_place(shared):
+    """A flush that records in a worker thread (enough tokens pending), with more tokens and new
+    streams arriving while it runs, ends with the same counts, drafts and match states as
+    synchronous flushes of the same tokens in the same order."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50, 600).tolist() for _ in range(4)]
+    steps = [[rng.integers(0, 50, 3).tolist() for _ in range(5)] for _ in range(6)]
+    corpora = {wait: Corpus(max_depth=6, shared=shared) for wait in (True, False)}
+    for wait, corpus in corpora.items():
+        for key, p in enumerate(prompts):
+            corpus.open(key, p)
+        corpus.flush(wait=wait)
+        assert wait or corpus.recording or len(corpus._pending) == 0
+        for i, step in enumerate(steps):
+            if i == 2:
+                corpus.open(4, prompts[0][:40])  # a new stream while the worker may run
+            for key, toks in enumerate(step[:len(corpus)]):
+                corpus.extend(key, toks)
+            corpus.flush(wait=wait)
+    sync, background = corpora[True], corpora[False]
+    background.flush()  # what a draft does first: tokens left pending while the worker ran
+    assert background.num_nodes == sync.num_nodes and not background.recording
+    keys = list(range(5))
+    for got, want in zip(background.draft(keys, 8), sync.draft(keys, 8)):
+        assert np.array_equal(got, want)
+    gram = prompts[0][10:14]
+    assert background.count(gram, None if shared else 0) == sync.count(gram, None if shared else 0) > 0
+    assert hash_consistent(background)

@@ -451,3 +451,36 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
     assert_all_free(engine)
     decode = [critical for kind, critical in absorbed if kind == "decode"]
     assert decode and not any(decode[:-1])
+
+
+def test_auto_runs_plain_while_the_drafter_records(model, prompts, reference):
+    """While the drafter still records in the background (a batch of prompts), ``auto`` runs
+    plain overlapped steps instead of waiting for it, and speculates once it is done; ``always``
+    waits. Outputs are exact either way."""
+    from ngram_hal.speculative.drafter import TrieDrafter
+
+    class SlowToRecord(TrieDrafter):
+        """Busy for its first ``busy_steps`` queries of ``busy`` (a recording that takes time)."""
+
+        busy_steps = 6
+
+        @property
+        def busy(self):
+            self.busy_steps -= 1
+            return self.busy_steps >= 0
+
+    for policy in ("auto", "always"):
+        drafter = SlowToRecord()
+        engine = Engine(model, None, EngineConfig(num_slots=1024, max_context_len=256, spec_nodes=8,
+                                                  spec_policy=policy, probe_every=2), drafter=drafter)
+        sizes = []
+        choose = engine.policy.choose
+        engine.policy.choose = lambda: sizes.append(choose()) or sizes[-1]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        assert_all_free(engine)
+        steps = engine.stats.decode_steps
+        if policy == "auto":
+            assert len(sizes) < steps and engine.policy.chosen[1] > 0 and any(n > 1 for n in sizes)
+        else:
+            assert len(sizes) == steps and set(sizes) == {8}

@@ -362,7 +362,12 @@ class Engine:
             return False
         if self.sched.waiting or not self.sched.running:
             return True
-        return self.policy.peek() > 1
+        return not self._drafter_busy() and self.policy.peek() > 1
+
+    def _drafter_busy(self) -> bool:
+        """In ``auto``: the drafter still records in the background (a batch of prompts); steps
+        run plain until it is done rather than wait for it (``always`` waits)."""
+        return self.drafter is not None and self.policy.mode == "auto" and self.drafter.busy
 
     def _launch(self) -> InflightStep | None:
         admitted = self.sched.admit()
@@ -421,7 +426,8 @@ class Engine:
         self.stats.prefill_steps += 1
         step = self._ship("prefill", reqs, relay, logprobs, start, begin)
         if self.drafter is not None:
-            # The prompts go into the drafter while the device runs the prefill.
+            # The prompts go into the drafter while the device runs the prefill (a large batch of
+            # them in the background: see _drafter_busy).
             drafting = time.perf_counter()
             for r in reqs:
                 self.drafter.add_request(r.rid, r.prompt_ids)
@@ -432,7 +438,7 @@ class Engine:
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
-        n = size = self.policy.choose()
+        n = size = 1 if self._drafter_busy() else self.policy.choose()
         B = len(reqs)
         if n > 1:
             draft = self.drafter.draft([r.rid for r in reqs], n)

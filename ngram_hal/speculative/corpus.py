@@ -17,11 +17,16 @@ holds count as just visited. The arrays are sized for ``capacity`` up front, uni
 zero-filled, so the OS commits their pages only as nodes first use them, and the corpus never
 copies or rehashes while it grows.
 
+Recording can run in the background (``flush(wait=False)``): the compiled insert releases the
+GIL, so a serving loop hands a step's tokens (or a batch of prompts) to a worker thread and goes
+on launching device work; every call that reads or changes the trie waits for the worker first.
+
 The compiled kernels and the array layout are in :mod:`ngram_hal.speculative.trie`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -98,6 +103,8 @@ class Corpus:
         evict_fraction: share of ``capacity`` freed by one eviction pass, in (0, 1].
     """
 
+    BACKGROUND_TOKENS = 1024
+
     def __init__(self, max_depth: int = 18, capacity: int = 1 << 22, shared: bool = True,
                  evict_fraction: float = 1 / 64):
         self.max_depth = check_int("Corpus", "max_depth", max_depth, minimum=2)
@@ -117,6 +124,8 @@ class Corpus:
         self._pending_lens: list[int] = []
         self._pending: list[int] = []
         self._mapped = False
+        self._worker: threading.Thread | None = None
+        self._failure: BaseException | None = None
         if self.shared:
             self._shared_root = trie.new_root(self._nodes, self._table, self._meta, self._state,
                                               self._evict_want)
@@ -128,6 +137,8 @@ class Corpus:
         toks = token_list("Corpus.open", "tokens", tokens)
         if key in self._rows:
             raise ValueError(f"Corpus.open: request {key!r} is already open")
+        if not (self.shared and self._free_rows):
+            self._settle()  # a new trie or new state rows: arrays the worker may be writing
         if self.shared:
             root = self._shared_root
         else:
@@ -153,6 +164,7 @@ class Corpus:
         if self.shared:
             self.flush()
         else:
+            self._settle()
             rows, lens, flat = self._pending_rows, self._pending_lens, self._pending
             self._pending_rows, self._pending_lens, self._pending = [], [], []
             start = 0
@@ -175,20 +187,59 @@ class Corpus:
         with its own value, so what the corpus holds is unchanged.
         """
         if not self._mapped:
+            self._settle()
             flat = self._table.reshape(-1)
             stride = max(1, 4096 // flat.itemsize)
             flat[::stride] = flat[::stride].copy()  # a copy: numpy skips assigning a view to itself
             self._mapped = True
 
-    def flush(self) -> None:
-        """Record every pending token, in the order the tokens were given (one compiled call)."""
+    def flush(self, wait: bool = True) -> None:
+        """Record every pending token, in the order the tokens were given (one compiled call).
+
+        ``wait=False``: when at least :attr:`BACKGROUND_TOKENS` are pending (a batch of prompts),
+        record them in a worker thread and return at once; fewer are recorded here (starting a
+        thread would cost more). While a worker runs, a further ``flush(wait=False)`` leaves the
+        newer tokens pending (they follow in a later flush, so each stream's order holds), and
+        every call that reads or changes the trie waits for the worker first (an error it met is
+        raised there).
+        """
+        if not wait and self.recording:
+            return
+        self._settle()
         if not self._pending_rows:
             return
+        wait = wait or len(self._pending) < self.BACKGROUND_TOKENS
         packed = np.array(self._pending_rows + self._pending_lens + self._pending, np.int64)
         chunks = len(self._pending_rows)
         self._pending_rows, self._pending_lens, self._pending = [], [], []
-        trie.insert(self._nodes, self._table, self._meta, self._state, self._sinfo, packed, chunks,
-                    self._evict_want)
+        args = (self._nodes, self._table, self._meta, self._state, self._sinfo, packed, chunks, self._evict_want)
+        if wait:
+            trie.insert(*args)
+        else:
+            self._worker = threading.Thread(target=self._record, args=args, name="corpus-flush", daemon=True)
+            self._worker.start()
+
+    @property
+    def recording(self) -> bool:
+        """True while a background :meth:`flush` is still recording."""
+        if self._worker is not None and not self._worker.is_alive():
+            self._settle()
+        return self._worker is not None
+
+    def _record(self, *args) -> None:
+        try:
+            trie.insert(*args)
+        except BaseException as exc:  # handed to the caller's thread by _settle
+            self._failure = exc
+
+    def _settle(self) -> None:
+        """Wait for a background recording; raise what it met, if anything."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise RuntimeError("Corpus: recording in the background failed") from failure
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._rows
@@ -279,6 +330,7 @@ class Corpus:
     @property
     def num_nodes(self) -> int:
         """Live trie nodes (roots included)."""
+        self._settle()
         return int(self._meta[trie.LIVE])
 
     @property

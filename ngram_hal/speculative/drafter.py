@@ -92,9 +92,16 @@ class Drafter(abc.ABC):
 
         A hint from a caller that has host time to spare (the device is busy, or the engine is
         starting): a drafter that records contexts lazily records them here, off the path of the
-        next draft, and one that maps memory lazily maps it at the first call. Drafting gives the
-        same trees with or without it. The default does nothing.
+        next draft (a large batch in a background thread, see :attr:`busy`), and one that maps
+        memory lazily maps it at the first call. Drafting gives the same trees with or without
+        it. The default does nothing.
         """
+
+    @property
+    def busy(self) -> bool:
+        """True while work :meth:`prepare` started still runs in the background: a draft now
+        would wait for it. The default: False."""
+        return False
 
 
 def _prompt(op: str, prompt) -> np.ndarray:
@@ -170,7 +177,11 @@ class TrieDrafter(Drafter):
 
     def prepare(self) -> None:
         self.corpus.map_memory()
-        self.corpus.flush()
+        self.corpus.flush(wait=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.corpus.recording
 
 
 class LinearDrafter(Drafter):
@@ -230,7 +241,11 @@ class LinearDrafter(Drafter):
 
     def prepare(self) -> None:
         self.corpus.map_memory()
-        self.corpus.flush()
+        self.corpus.flush(wait=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.corpus.recording
 
     def _context_of(self, rid: Hashable) -> array:
         try:

@@ -250,7 +250,7 @@ def _child(nodes, table, meta, state, p, t, evict_want):
     return c
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def insert(nodes, table, meta, state, sinfo, packed, chunks, evict_want):
     """Append chunks of tokens to streams, in order.
 

@@ -18,16 +18,17 @@ zero-filled, so the OS commits their pages only as nodes first use them, and the
 copies or rehashes while it grows.
 
 Recording can run in the background (``flush(wait=False)``): the compiled insert releases the
-GIL, so a serving loop hands a step's tokens (or a batch of prompts) to a worker thread and goes
-on launching device work; every call that reads or changes the trie waits for the worker first.
+GIL, so a serving loop hands a step's tokens (or a batch of prompts) to the corpus's worker
+thread and goes on launching device work; every call that reads or changes the trie waits for
+the worker first.
 
 The compiled kernels and the array layout are in :mod:`ngram_hal.speculative.trie`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -103,7 +104,7 @@ class Corpus:
         evict_fraction: share of ``capacity`` freed by one eviction pass, in (0, 1].
     """
 
-    BACKGROUND_TOKENS = 1024
+    BACKGROUND_TOKENS = 16
 
     def __init__(self, max_depth: int = 18, capacity: int = 1 << 22, shared: bool = True,
                  evict_fraction: float = 1 / 64):
@@ -124,8 +125,9 @@ class Corpus:
         self._pending_lens: list[int] = []
         self._pending: list[int] = []
         self._mapped = False
-        self._worker: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._worker: Future | None = None
+        self._worker_tokens = 0
         if self.shared:
             self._shared_root = trie.new_root(self._nodes, self._table, self._meta, self._state,
                                               self._evict_want)
@@ -196,12 +198,12 @@ class Corpus:
     def flush(self, wait: bool = True) -> None:
         """Record every pending token, in the order the tokens were given (one compiled call).
 
-        ``wait=False``: when at least :attr:`BACKGROUND_TOKENS` are pending (a batch of prompts),
-        record them in a worker thread and return at once; fewer are recorded here (starting a
-        thread would cost more). While a worker runs, a further ``flush(wait=False)`` leaves the
-        newer tokens pending (they follow in a later flush, so each stream's order holds), and
-        every call that reads or changes the trie waits for the worker first (an error it met is
-        raised there).
+        ``wait=False``: when at least :attr:`BACKGROUND_TOKENS` are pending (a step of a batch,
+        a batch of prompts), record them in the corpus's worker thread and return at once; fewer
+        are recorded here (handing them over would cost more). While the worker records, a further
+        ``flush(wait=False)`` leaves the newer tokens pending (they follow in a later flush, so
+        each stream's order holds), and every call that reads or changes the trie waits for the
+        worker first (an error it met is raised there).
         """
         if not wait and self.recording:
             return
@@ -216,30 +218,30 @@ class Corpus:
         if wait:
             trie.insert(*args)
         else:
-            self._worker = threading.Thread(target=self._record, args=args, name="corpus-flush", daemon=True)
-            self._worker.start()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corpus")
+            self._worker = self._executor.submit(trie.insert, *args)
+            self._worker_tokens = packed.size - 2 * chunks
 
     @property
     def recording(self) -> bool:
         """True while a background :meth:`flush` is still recording."""
-        if self._worker is not None and not self._worker.is_alive():
+        if self._worker is not None and self._worker.done():
             self._settle()
         return self._worker is not None
 
-    def _record(self, *args) -> None:
-        try:
-            trie.insert(*args)
-        except BaseException as exc:  # handed to the caller's thread by _settle
-            self._failure = exc
+    @property
+    def backlog(self) -> int:
+        """Tokens the background :meth:`flush` still recording was given (0 when none runs)."""
+        return self._worker_tokens if self.recording else 0
 
     def _settle(self) -> None:
         """Wait for a background recording; raise what it met, if anything."""
         if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise RuntimeError("Corpus: recording in the background failed") from failure
+            worker, self._worker = self._worker, None
+            failure = worker.exception()
+            if failure is not None:
+                raise RuntimeError("Corpus: recording in the background failed") from failure
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._rows

@@ -99,9 +99,12 @@ class Drafter(abc.ABC):
 
     @property
     def busy(self) -> bool:
-        """True while work :meth:`prepare` started still runs in the background: a draft now
-        would wait for it. The default: False."""
+        """True while a large piece of work :meth:`prepare` started (recording a batch of
+        prompts) still runs in the background: a draft now would wait for it. The default: False."""
         return False
+
+
+BUSY_TOKENS = 1024  # a background recording this large (a batch of prompts) makes a drafter busy
 
 
 def _prompt(op: str, prompt) -> np.ndarray:
@@ -181,7 +184,7 @@ class TrieDrafter(Drafter):
 
     @property
     def busy(self) -> bool:
-        return self.corpus.recording
+        return self.corpus.backlog >= BUSY_TOKENS
 
 
 class LinearDrafter(Drafter):
@@ -245,7 +248,7 @@ class LinearDrafter(Drafter):
 
     @property
     def busy(self) -> bool:
-        return self.corpus.recording
+        return self.corpus.backlog >= BUSY_TOKENS
 
     def _context_of(self, rid: Hashable) -> array:
         try:

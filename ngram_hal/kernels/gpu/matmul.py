@@ -44,6 +44,20 @@ INVARIANT = SMALL_ROWS
 
 
 @triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + x @ w`` in float32: IEEE products for float32 operands; half-precision operands
+    widened first under the interpreter."""
+    if UPCAST:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
                    NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, IEEE: tl.constexpr,
@@ -62,21 +76,10 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         w_mask = col_ok[None, :] & (k < K)[:, None]
         w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=w_mask, other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = _dot(x, w, acc, IEEE, UPCAST)
         if GLU:
             w_up = tl.load(w_ptr + (N + cols[None, :]) * K + k[:, None], mask=w_mask, other=0.0)
-            if UPCAST:
-                w_up = w_up.to(tl.float32)
-            if IEEE:
-                acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(x, w_up, acc_up)
+            acc_up = _dot(x, w_up, acc_up, IEEE, UPCAST)
     if NORM:
         # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): the row's scale comes after the product.
         squares = tl.zeros((BLOCK_M,), tl.float32)

@@ -79,25 +79,26 @@ class Layer:
         self.o = torch.randn((rows, hq), generator=gen, device=device).to(dtype)
         self.x = self.x0.clone()
 
-    def __getattr__(self, name):
-        w = self.__dict__["weights"]
-        return getattr(w[self.__dict__["calls"] % len(w)], name)
+    def _next(self) -> Weights:
+        """The weights of the next layer (the layers cycle)."""
+        w = self.weights[self.calls % len(self.weights)]
+        self.calls += 1
+        return w
 
     def apart(self, product=F.linear):
-        qkv = product(rms_norm(self.x, self.g1, EPS), self.wqkv)
-        h = rms_norm(self.x, self.g2, EPS, product(self.o, self.wo))
-        act = swiglu(product(h, self.wgu))
-        self.x.add_(product(act, self.wdown))
+        w = self._next()
+        qkv = product(rms_norm(self.x, w.g1, EPS), w.wqkv)
+        h = rms_norm(self.x, w.g2, EPS, product(self.o, w.wo))
+        act = swiglu(product(h, w.wgu))
+        self.x.add_(product(act, w.wdown))
         return qkv, act
 
-    def fused(self, tiling=None):
-        def tile(w):
-            return tiling if tiling is not None else SMALL_ROWS
-
-        qkv = fused_linear(self.x, self.wqkv_g, norm_eps=EPS, tiling=tile(self.wqkv))
-        fused_linear(self.o, self.wo, residual=self.x, tiling=tile(self.wo))
-        h = fused_linear(self.x, self.wgu_g, norm_eps=EPS, glu=True, tiling=tile(self.wgu))
-        fused_linear(h, self.wdown, residual=self.x, tiling=tile(self.wdown))
+    def fused(self, tiling=SMALL_ROWS):
+        w = self._next()
+        qkv = fused_linear(self.x, w.wqkv_g, norm_eps=EPS, tiling=tiling)
+        fused_linear(self.o, w.wo, residual=self.x, tiling=tiling)
+        h = fused_linear(self.x, w.wgu_g, norm_eps=EPS, glu=True, tiling=tiling)
+        fused_linear(h, w.wdown, residual=self.x, tiling=tiling)
         return qkv, h
 
     def result(self, run):
@@ -129,18 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     for model, shape in models.items():
         for rows in rows_list:
             layer = Layer(shape, rows, device, dtype, args.layers)
-
-            def step(run, layer=layer):
-                out = run()
-                layer.calls += 1
-                return out
-
-            variants = {"apart (cuBLAS)": (lambda: step(layer.apart), 7), "fused": (lambda: step(layer.fused), 4),
-                        "invariant apart": (lambda: step(lambda: layer.apart(invariant_linear)), 7),
-                        "invariant fused": (lambda: step(lambda: layer.fused(INVARIANT)), 4)}
+            variants = {"apart (cuBLAS)": (layer.apart, 7), "fused": (layer.fused, 4),
+                        "invariant apart": (lambda: layer.apart(invariant_linear), 7),
+                        "invariant fused": (lambda: layer.fused(INVARIANT), 4)}
             if args.sweep:
-                variants.update({f"fused {t.block_m}x{t.block_n}x{t.block_k}":
-                                 (lambda t=t: step(lambda: layer.fused(t)), 4) for t in SWEEP})
+                variants.update({f"fused {t.block_m}x{t.block_n}x{t.block_k}": (lambda t=t: layer.fused(t), 4)
+                                 for t in SWEEP})
             want = layer.result(layer.apart)
             distinct = len(layer.weights)
             base = None

@@ -32,6 +32,7 @@ structure but nothing actually runs concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -428,11 +429,10 @@ class Engine:
         if self.drafter is not None:
             # The prompts go into the drafter while the device runs the prefill (a large batch of
             # them in the background: see _drafter_busy).
-            drafting = time.perf_counter()
-            for r in reqs:
-                self.drafter.add_request(r.rid, r.prompt_ids)
-            self.drafter.prepare()
-            self.stats.draft_s += time.perf_counter() - drafting
+            with self._drafting():
+                for r in reqs:
+                    self.drafter.add_request(r.rid, r.prompt_ids)
+                self.drafter.prepare()
         return step
 
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
@@ -537,7 +537,7 @@ class Engine:
         D = step.num_nodes
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
-        ended, rows, committed, slowest = [], 0, 0, None
+        ended, fed, rows, committed, slowest = [], [], 0, 0, None
         for b, r in enumerate(step.reqs):
             r.inflight -= 1
             if r.finished:
@@ -554,14 +554,14 @@ class Engine:
             if r.finished:
                 ended.append(r)
             elif self.drafter is not None:
-                drafting = time.perf_counter()
-                self.drafter.extend(r.rid, run)
-                self.stats.draft_s += time.perf_counter() - drafting
-        if self.drafter is not None and not critical:
-            # The device is busy with the next step: record the new tokens now, not in the next draft.
-            drafting = time.perf_counter()
-            self.drafter.prepare()
-            self.stats.draft_s += time.perf_counter() - drafting
+                fed.append((r.rid, run))
+        if self.drafter is not None:
+            with self._drafting():
+                for rid, run in fed:
+                    self.drafter.extend(rid, run)
+                if not critical:
+                    # The device is busy with the next step: record the new tokens now, not in the next draft.
+                    self.drafter.prepare()
         self._release(ended)
         step.absorbed = True
         self._observe(step, rows, committed, slowest, self._time_device(step))
@@ -571,6 +571,15 @@ class Engine:
             self.stats.critical_s += elapsed
         else:
             self.stats.process_s += elapsed
+
+    @contextlib.contextmanager
+    def _drafting(self):
+        """Count the host time of the block as time in the drafter (``stats.draft_s``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.draft_s += time.perf_counter() - start
 
     def _time_device(self, step: InflightStep) -> float | None:
         """Add the step's device time, and the device's idle time since the previous step ended;

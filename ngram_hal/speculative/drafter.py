@@ -104,7 +104,21 @@ class Drafter(abc.ABC):
         return False
 
 
-BUSY_TOKENS = 1024  # a background recording this large (a batch of prompts) makes a drafter busy
+class CorpusDrafter(Drafter):
+    """A drafter over a :class:`~ngram_hal.speculative.corpus.Corpus` (``self.corpus``): it
+    prepares by mapping the corpus's memory and recording pending tokens in the background, and
+    is busy while a background recording of ``BUSY_TOKENS`` or more (a batch of prompts) runs."""
+
+    BUSY_TOKENS = 1024
+    corpus: Corpus
+
+    def prepare(self) -> None:
+        self.corpus.map_memory()
+        self.corpus.flush(wait=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.corpus.backlog >= self.BUSY_TOKENS
 
 
 def _prompt(op: str, prompt) -> np.ndarray:
@@ -147,7 +161,7 @@ class TrieDrafterConfig(BaseModel):
         return self
 
 
-class TrieDrafter(Drafter):
+class TrieDrafter(CorpusDrafter):
     """Draft trees from the n-gram :class:`~ngram_hal.speculative.corpus.Corpus`.
 
     Keyword arguments are the fields of :class:`TrieDrafterConfig`. Tokens given to
@@ -178,16 +192,8 @@ class TrieDrafter(Drafter):
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)
 
-    def prepare(self) -> None:
-        self.corpus.map_memory()
-        self.corpus.flush(wait=False)
 
-    @property
-    def busy(self) -> bool:
-        return self.corpus.backlog >= BUSY_TOKENS
-
-
-class LinearDrafter(Drafter):
+class LinearDrafter(CorpusDrafter):
     """Prompt lookup: one chain of D-1 tokens after the longest earlier match of the context's suffix.
 
     The suffixes of up to ``max_ngram`` tokens are matched against the request's own history
@@ -241,14 +247,6 @@ class LinearDrafter(Drafter):
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)
         del self._context[rid]
-
-    def prepare(self) -> None:
-        self.corpus.map_memory()
-        self.corpus.flush(wait=False)
-
-    @property
-    def busy(self) -> bool:
-        return self.corpus.backlog >= BUSY_TOKENS
 
     def _context_of(self, rid: Hashable) -> array:
         try:

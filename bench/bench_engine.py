@@ -7,10 +7,11 @@ first of ``--spec-nodes``):
   plain, plain-nooverlap, plain-nographs,    plain decode (D = 1), captured graphs and the overlap
   plain-nographs-nooverlap                   loop each on or off
   spec{D} for D in --spec-nodes              speculation, trie drafter, D nodes on every step
+  spec{D}-device for D in --spec-nodes       speculation drafted on the device (prompt lookup)
   spec{D0}-nooverlap                         the same without overlap
-  auto{D0}                                   the auto policy (1, 2, 4, ... or D0 nodes a step)
-  invariant-plain, invariant-spec{D0}        the model loaded again with batch_invariant=True;
-                                             only where the backend runs Triton model kernels
+  auto{D0}, auto{D0}-device                  the auto policy (1, 2, 4, ... or D0 nodes a step)
+  invariant-plain, invariant-spec{D0},       the model loaded again with batch_invariant=True;
+  invariant-spec{D0}-device                  only where the backend runs Triton model kernels
 
 Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
 timed on the same engine with a fresh drafter and speculation policy. Per run: tokens/s with the
@@ -75,6 +76,7 @@ class RunConfig:
     graphs: bool = True
     overlap: bool = True
     invariant: bool = False
+    drafter: str = "trie"
 
     @property
     def plain_name(self) -> str:
@@ -87,9 +89,12 @@ def run_configs(spec_nodes: Sequence[int]) -> list[RunConfig]:
     d = spec_nodes[0]
     return [RunConfig(PLAIN, 1), RunConfig("plain-nooverlap", 1, overlap=False),
             RunConfig("plain-nographs", 1, graphs=False), RunConfig(OLD, 1, graphs=False, overlap=False),
-            *(RunConfig(f"spec{D}", D) for D in spec_nodes), RunConfig(f"spec{d}-nooverlap", d, overlap=False),
-            RunConfig(f"auto{d}", d, policy="auto"), RunConfig("invariant-plain", 1, invariant=True),
-            RunConfig(f"invariant-spec{d}", d, invariant=True)]
+            *(RunConfig(f"spec{D}", D) for D in spec_nodes),
+            *(RunConfig(f"spec{D}-device", D, drafter="device") for D in spec_nodes),
+            RunConfig(f"spec{d}-nooverlap", d, overlap=False), RunConfig(f"auto{d}", d, policy="auto"),
+            RunConfig(f"auto{d}-device", d, policy="auto", drafter="device"),
+            RunConfig("invariant-plain", 1, invariant=True), RunConfig(f"invariant-spec{d}", d, invariant=True),
+            RunConfig(f"invariant-spec{d}-device", d, invariant=True, drafter="device")]
 
 
 def _name_list(text: str) -> list[str]:
@@ -132,7 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.spec_nodes = list(dict.fromkeys(args.spec_nodes))
     if min(args.spec_nodes) < 2:
         parser.error(f"argument --spec-nodes: {min(args.spec_nodes)}: a speculative tree has at least 2 nodes")
-    # What Setup reads besides the options above: one model, in the default mode; the trie drafter.
+    # What Setup reads besides the options above: one model, in the default mode; the trie drafter
+    # (where a run names no other).
     args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", 16384
     return args
 
@@ -223,7 +229,7 @@ def measure(setup: Setup, model, cfg: RunConfig, batch: int, workload: list[Prom
     engine = None
     try:
         engine = setup.engine(cfg.spec_nodes, cfg.overlap, batch, cfg.policy, graphs=cfg.graphs,
-                              num_slots=num_slots, model=model)
+                              num_slots=num_slots, model=model, drafter=cfg.drafter)
         start = time.perf_counter()
         warm = [run_prompts(engine, tokenizer, g, params) for g in groups]
         row["warmup_s"] = time.perf_counter() - start
@@ -325,7 +331,8 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
     run is missing or failed (or, for idle time, where the device has no timing events)."""
     names = {c.name for c in configs}
     spec = [c.name for c in configs if c.spec_nodes > 1 and not c.invariant and c.graphs and c.overlap]
-    d0 = next((c for c in configs if c.name.startswith("spec") and c.overlap), None)
+    d0 = next((c for c in configs if c.name.startswith("spec") and c.overlap and c.drafter == "trie"), None)
+    d0_device = next((c for c in configs if c.name.startswith("spec") and c.overlap and c.drafter == "device"), None)
     out = []
     plain1 = _find(rows, 1, PLAIN)
     out.append(_target("plain decode, batch 1 (tok/s)", ">= 1000",
@@ -338,7 +345,7 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
             best = (copy["tokens_per_s"], f"B=1 {name}")
     out.append(_target("speculation, copy-heavy prompts, batch 1 (tok/s)", ">= 2500",
                        best[0] if best else None, lambda v: v >= 2500, best[1] if best else None))
-    for name in [PLAIN] + ([d0.name] if d0 else []):
+    for name in [PLAIN] + [c.name for c in (d0, d0_device) if c]:
         row = _find(rows, 1, name)
         measured = None
         if row and row["totals"]["device_busy_s"] > 0:

@@ -237,12 +237,15 @@ ATTN_CASES = ([("decode", B, T, 1) for B in (1, 16) for T in (512, 4096, 32768)]
               + [("tree", B, 4096, D) for B in (1, 16) for D in (8, 16)])
 QUICK_ATTN_HEADS = {"tiny": (4, 2, 16)}
 QUICK_ATTN_CASES = [("decode", 2, 40, 1), ("tree", 2, 40, 4)]
-# Launch settings tried on a few cases: (key bytes per step, warps, stages, programs per SM).
-ATTN_SWEEP = [(kb, w, st, p) for kb in (4096, 8192, 16384) for w in (4, 8) for st in (1, 2, 3) for p in (2,)] + [
-    (8192, 4, 2, 1), (8192, 4, 2, 4)]
+# Launch settings tried on a few cases: (key bytes per step, warps, stages, programs per SM, fewest
+# keys per split: None for the default, 256 for four steps of 64 keys, the tree-verify default before
+# a tree split like decode).
+ATTN_SWEEP = [(kb, w, st, p, None) for kb in (4096, 8192, 16384) for w in (4, 8) for st in (1, 2, 3)
+              for p in (2,)] + [(8192, 4, 2, 1, None), (8192, 4, 2, 4, None), (8192, 4, 2, 2, 256)]
 ATTN_SWEEP_CASES = {("SmolLM2-135M", "decode", 1, 4096), ("SmolLM2-135M", "decode", 16, 4096),
-                    ("SmolLM2-135M", "tree", 16, 4096), ("Llama-8B", "decode", 16, 4096),
-                    ("Llama-8B", "tree", 16, 4096), ("SmolLM2-135M", "decode", 1, 32768)}
+                    ("SmolLM2-135M", "tree", 1, 4096), ("SmolLM2-135M", "tree", 16, 4096),
+                    ("Llama-8B", "decode", 16, 4096), ("Llama-8B", "tree", 16, 4096),
+                    ("SmolLM2-135M", "decode", 1, 32768)}
 
 
 def attention_case(device, heads: tuple[int, int, int], B: int, T: int, n: int, seed: int):
@@ -329,13 +332,13 @@ def sweep_attention(ctx: Context, call: dict, base, settings) -> list[dict]:
 
     per_sm = max(1, num_programs_to_fill(ctx.device) // 2)
     results = []
-    for key_bytes, warps, stages, programs in settings:
+    for key_bytes, warps, stages, programs, split_keys in settings:
         ctx.cuda.launch = replace(base, attn_key_bytes=key_bytes, attn_warps=warps, attn_num_stages=stages,
-                                  attn_programs=programs * per_sm)
+                                  attn_programs=programs * per_sm, attn_min_split=split_keys)
         layout = ctx.cuda.attention_layout(call["req_to_token"], call["req_pool_indices"], call["kv_lens"],
                                            call["q_lens"], call["q"].shape[0], call["tree_mask"], call["max_kv_len"])
         results.append({"config": {"key_bytes": key_bytes, "warps": warps, "stages": stages,
-                                   "programs_per_sm": programs},
+                                   "programs_per_sm": programs, "min_split_keys": split_keys},
                         "us": ctx.graph_us(lambda: ctx.cuda.attention(**call, layout=layout))
                         or ctx.eager_us(lambda: ctx.cuda.attention(**call, layout=layout))})
     ctx.cuda.launch = base

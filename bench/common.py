@@ -113,12 +113,13 @@ def error_text(exc: BaseException) -> str:
 def fresh_drafting(engine) -> None:
     """Give an :class:`~ngram_hal.engine.engine.Engine` a new drafter and speculation policy, as a
     new engine would have, keeping its captured graphs: what a warm-up taught them (the shared
-    n-gram corpus keeps every output it saw) must not help a timed run."""
+    n-gram corpus keeps every output it saw) must not help a timed run. A drafter on the device
+    stays: it learns only from its own request's tokens, which each prefill writes anew."""
     from ngram_hal.engine.engine import make_drafter
     from ngram_hal.engine.policy import SpecPolicy
 
     config = engine.config
-    engine.drafter = make_drafter(config.drafter) if engine.num_nodes > 1 else None
+    engine.drafter = make_drafter(config.drafter) if engine.num_nodes > 1 and engine.lookup is None else None
     if engine.drafter is not None:
         engine.drafter.prepare()  # as a new engine does: its memory mapped before any request
     engine.policy = SpecPolicy(engine.num_nodes, config.spec_policy, config.probe_every)

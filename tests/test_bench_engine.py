@@ -19,7 +19,7 @@ from ngram_hal.engine.model import LlamaModel
 from ngram_hal.reference import CpuBackend
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invariant", "status", "error", "warmup_s",
+ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invariant", "drafter", "status", "error", "warmup_s",
             "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
             "requests", "kinds", "finish_reasons", "verify_steps", "request_errors", "token_ids", "by_kind",
             "same_as_warmup", "graphs_used", "graph_captures", "graph_captures_timed", "kv_cache_bytes", "profile",
@@ -59,8 +59,8 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
     assert {"torch", "triton", "driver", "cuda", "python"} <= set(report["versions"])
     assert report["options"]["batch_sizes"] == [1, 2] and report["options"]["spec_nodes"] == [4]
     assert [p["id"] for p in report["prompts"]] == ["echo", "sky"]
-    names = ["plain", "plain-nooverlap", "plain-nographs", "plain-nographs-nooverlap", "spec4", "spec4-nooverlap",
-             "auto4", "invariant-plain", "invariant-spec4"]
+    names = ["plain", "plain-nooverlap", "plain-nographs", "plain-nographs-nooverlap", "spec4", "spec4-device",
+             "spec4-nooverlap", "auto4", "auto4-device", "invariant-plain", "invariant-spec4", "invariant-spec4-device"]
     assert [c["name"] for c in report["configurations"]] == names
     assert [(r["batch"], r["run"]) for r in report["runs"]] == [(b, n) for b in (1, 2) for n in names]
 
@@ -88,12 +88,12 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
             assert row["status"] == "skipped" and "Triton model kernels" in row["error"]
 
     assert {(e["batch"], e["run"]) for e in report["exactness"]} == {
-        (b, n) for b in (1, 2) for n in ("spec4", "spec4-nooverlap", "auto4")}
+        (b, n) for b in (1, 2) for n in ("spec4", "spec4-device", "spec4-nooverlap", "auto4", "auto4-device")}
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["plain decode, batch 1 (tok/s)"]["met"] is False
     assert targets["plain decode, batch 64 (tok/s)"]["measured"] is None
     assert targets["device idle between steps, plain, batch 1 (graphs, overlap)"]["measured"] is None
-    assert targets["greedy with speculation == without, default mode (requests)"]["measured"] == "12/12"
+    assert targets["greedy with speculation == without, default mode (requests)"]["measured"] == "20/20"
     assert targets["greedy with speculation == without, invariant mode (requests)"]["met"] is None
     printed = capsys.readouterr().out
     assert "targets (measured; not an exit code)" in printed and "B=1 invariant-plain: skipped" in printed
@@ -163,6 +163,7 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     rows = [_row(1, "plain", 1200.0, busy=0.95, idle=0.05), _row(1, "plain-nographs-nooverlap", 100.0),
             _row(1, "spec8", 2000.0, 8, copy_tok_s=2400.0, busy=0.8, idle=0.2, tokens=(1, 3)),
             _row(1, "spec16", 2100.0, 16, copy_tok_s=2600.0), _row(1, "auto8", 1150.0, 8),
+            _row(1, "spec8-device", 2500.0, 8, copy_tok_s=3100.0, busy=0.95, idle=0.05),
             _row(1, "invariant-plain", 900.0, invariant=True), _row(1, "invariant-spec8", 1800.0, 8, True),
             _row(64, "plain", 21000.0), _row(64, "auto8", 19000.0, 8),
             {"batch": 64, "run": "spec8", "status": "error", "error": "OutOfMemoryError: ...", "spec_nodes": 8,
@@ -171,13 +172,14 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     bench_engine.derive(report, configs, [1, 64])
     got = {t["target"]: (t["measured"], t["met"], t["run"]) for t in report["targets"]}
     assert got["plain decode, batch 1 (tok/s)"] == (1200.0, True, "B=1 plain")
-    assert got["speculation, copy-heavy prompts, batch 1 (tok/s)"] == (2600.0, True, "B=1 spec16")
+    assert got["speculation, copy-heavy prompts, batch 1 (tok/s)"] == (3100.0, True, "B=1 spec8-device")
     assert got["device idle between steps, plain, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.05), True)
     assert got["device idle between steps, spec8, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.2), False)
+    assert got["device idle between steps, spec8-device, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.05), True)
     assert got["plain decode, batch 64 (tok/s)"] == (21000.0, True, "B=64 plain")
     assert got["auto8 / plain, batch 1"][:2] == (pytest.approx(1150 / 1200), True)
     assert got["auto8 / plain, batch 64"][:2] == (pytest.approx(19000 / 21000), False)
-    assert got["greedy with speculation == without, default mode (requests)"][:2] == ("7/8", False)
+    assert got["greedy with speculation == without, default mode (requests)"][:2] == ("9/10", False)
     assert got["greedy with speculation == without, invariant mode (requests)"][:2] == ("2/2", True)
     assert rows[2]["same_tokens_as_plain"] == {"same": 1, "of": 2, "differ": ["b"]}
     assert rows[2]["vs_plain"] == pytest.approx(2000 / 1200) and rows[2]["vs_old"] == pytest.approx(20.0)

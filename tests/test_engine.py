@@ -74,7 +74,8 @@ def assert_all_free(engine: Engine):
 
 
 @pytest.mark.parametrize("spec_nodes,drafter,overlap", [
-    (1, "trie", True), (4, "trie", False), (8, "trie", True), (8, "linear", True), (16, "trie", False)])
+    (1, "trie", True), (4, "trie", False), (8, "trie", True), (8, "linear", True), (16, "trie", False),
+    (8, "device", True), (16, "device", False)])
 def test_greedy_spec_equals_no_spec(model, prompts, reference, spec_nodes, drafter, overlap):
     engine = make(model, spec_nodes=spec_nodes, drafter=drafter, overlap=overlap)
     _check_against_reference(engine, prompts, reference)
@@ -249,9 +250,9 @@ def test_members_finish_at_different_steps(model, prompts, reference):
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("spec_nodes", [1, 8])
-def test_abort_while_its_step_is_in_flight(model, prompts, reference, spec_nodes):
-    engine = make(model, spec_nodes=spec_nodes, overlap=True)
+@pytest.mark.parametrize("spec_nodes,drafter", [(1, "trie"), (8, "trie"), (8, "device")])
+def test_abort_while_its_step_is_in_flight(model, prompts, reference, spec_nodes, drafter):
+    engine = make(model, spec_nodes=spec_nodes, overlap=True, drafter=drafter)
     rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
     outputs = []
     while not (engine.inflight is not None and engine.inflight.kind == "decode"):
@@ -276,9 +277,11 @@ def ref_prefix(a, b):
     return b[:len(a)] == a
 
 
-def test_slots_exhausted_and_recovered(model, prompts, reference):
-    # Each request needs prompt + 48 + 3*8 slots (77 to 102); 200 slots hold two at a time.
-    engine = make(model, spec_nodes=8, num_slots=200)
+@pytest.mark.parametrize("drafter", ["trie", "device"])
+def test_slots_exhausted_and_recovered(model, prompts, reference, drafter):
+    # Each request needs prompt + 48 + 3*8 slots (77 to 102); 200 slots hold two at a time, so
+    # later requests reuse the rows (and, drafting on the device, the token-table rows) of earlier ones.
+    engine = make(model, spec_nodes=8, num_slots=200, drafter=drafter)
     rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
     outputs, peak_waiting = [], 0
     while engine.has_unfinished():
@@ -451,6 +454,40 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
     assert_all_free(engine)
     decode = [critical for kind, critical in absorbed if kind == "decode"]
     assert decode and not any(decode[:-1])
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
+    """Drafted on the device, a speculative step is launched before the host waits for the one
+    before it: no decode step's tokens are on the critical path (but the last one's). The drafts
+    are the linear drafter's, so a step commits more than one token on average."""
+    engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy=policy, probe_every=2)
+    assert engine.drafter is None and engine.lookup is not None
+    absorbed = []
+    absorb = engine._absorb
+
+    def record(step, critical):
+        absorbed.append((step.kind, step.tree_size, critical))
+        absorb(step, critical)
+
+    engine._absorb = record
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert_all_free(engine)
+    decode = [(size, critical) for kind, size, critical in absorbed if kind == "decode"]
+    assert not any(critical for _, critical in decode[:-1])
+    assert any(size > 1 for size, _ in decode) and engine.stats.tokens_per_step > 1.2
+
+
+def test_device_drafts_sample_and_mix_with_greedy(model, prompts, reference):
+    params = [SamplingParams(temperature=1.0, seed=11, max_new_tokens=32), SamplingParams(max_new_tokens=48)]
+    first = make(model, spec_nodes=8, drafter="device").generate(prompts[:2], params)
+    engine = make(model, spec_nodes=8, drafter="device")
+    second = engine.generate(prompts[:2], params)
+    assert first[0].token_ids == second[0].token_ids and len(first[0].token_ids) == 32
+    assert first[1].token_ids == reference[1].token_ids
+    assert all(0 <= t < VOCAB for t in first[0].token_ids)
+    assert_all_free(engine)
 
 
 def test_auto_runs_plain_while_the_drafter_records(model, prompts, reference):

@@ -38,14 +38,14 @@ def generate(model, prompts, params, **cfg):
     return engine, engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("spec_nodes", [1, 8])
-def test_overlap_loop_has_no_hidden_sync(model, prompts, spec_nodes):
+@pytest.mark.parametrize("spec_nodes,drafter", [(1, "trie"), (8, "trie"), (8, "device")])
+def test_overlap_loop_has_no_hidden_sync(model, prompts, spec_nodes, drafter):
     _, expected = generate(model, prompts, SamplingParams(max_new_tokens=32, logprobs=True), spec_nodes=1,
                            overlap=False)
     params = [SamplingParams(max_new_tokens=32, logprobs=True), SamplingParams(max_new_tokens=32, stop_token_ids=(7,)),
               SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=32, logprobs=True)]
     engine = Engine(model, None, EngineConfig(num_slots=1024, max_context_len=256, spec_nodes=spec_nodes,
-                                              overlap=True))
+                                              overlap=True, drafter=drafter))
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
     torch.cuda.set_sync_debug_mode("error")
     try:

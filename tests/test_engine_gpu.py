@@ -5,8 +5,8 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
   tokens of eager forwards (batch-invariant mode, where both read the keys in the same fixed
   chunks).
 * Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
-  drafts (prompt lookup) and branching trie trees: each tree node reads its path at the positions
-  plain decoding gives it once accepted.
+  drafts (prompt lookup, on the host or the device) and branching trie trees: each tree node reads
+  its path at the positions plain decoding gives it once accepted.
 * After warm-up, a run with graphs makes no hidden host sync.
 """
 
@@ -77,7 +77,7 @@ def test_graphs_replay_the_eager_forward(backend, prompts, alone):
 
 
 @gpu
-@pytest.mark.parametrize("drafter", ["linear", "trie"])
+@pytest.mark.parametrize("drafter", ["linear", "trie", "device"])
 def test_invariant_greedy_speculation_equals_plain(backend, prompts, drafter):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
     _, plain = _run(model, prompts, spec_nodes=1)
@@ -88,11 +88,11 @@ def test_invariant_greedy_speculation_equals_plain(backend, prompts, drafter):
 
 @gpu
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
-@pytest.mark.parametrize("spec_nodes", [1, 8])
-def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes, alone):
+@pytest.mark.parametrize("spec_nodes,drafter", [(1, "trie"), (8, "trie"), (8, "device")])
+def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes, drafter, alone):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5)
     engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8,
-                                              spec_nodes=spec_nodes, spec_policy="always"))
+                                              spec_nodes=spec_nodes, spec_policy="always", drafter=drafter))
     _generate(engine, prompts, alone)
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -55,7 +55,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "(default: the bundled prompts)")
     parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=8, metavar="D",
                         help="draft-tree nodes per step (default 8)")
-    parser.add_argument("--drafter", choices=("trie", "linear"), default="trie", help="n-gram drafter (default trie)")
+    parser.add_argument("--drafter", choices=("trie", "linear", "device"), default="trie",
+                        help="n-gram drafter: trie or linear on the host, device: the linear drafter's chains drafted "
+                             "on the device (default trie)")
     parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=16384,
                         help="KV-cache slots (default 16384)")
     parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
@@ -246,13 +248,14 @@ class Setup:
         return LlamaModel.from_gguf(self.backend, self.path, DTYPES[self.args.dtype], batch_invariant=batch_invariant)
 
     def engine(self, spec_nodes: int, overlap: bool, batch_size: int, policy: str = "always",
-               graphs: bool | None = None, num_slots: int | None = None, model=None):
-        """An engine over ``model`` (default the loaded one) with these settings; ``graphs`` and
-        ``num_slots`` default to the options (``--no-graphs``, ``--num-slots``)."""
+               graphs: bool | None = None, num_slots: int | None = None, model=None, drafter: str | None = None):
+        """An engine over ``model`` (default the loaded one) with these settings; ``graphs``,
+        ``num_slots`` and ``drafter`` default to the options (``--no-graphs``, ``--num-slots``,
+        ``--drafter``)."""
         from .engine import Engine
 
         a = self.args
-        config = EngineConfig(spec_nodes=spec_nodes, drafter=a.drafter, spec_policy=policy, overlap=overlap,
+        config = EngineConfig(spec_nodes=spec_nodes, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,
                               num_slots=num_slots or a.num_slots, max_running=batch_size,
                               max_context_len=a.max_context_len,
                               graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))

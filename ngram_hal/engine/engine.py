@@ -24,6 +24,10 @@ only in that event's ``synchronize()``. One call of :meth:`Engine.step`:
   on the device; only the D-1 draft tokens per request and the tree masks are uploaded. A step
   that the ``auto`` policy runs with one node drafts nothing, so it is launched as without
   speculation, before the host waits for step t.
+* with speculation drafted on the device (``drafter="device"``,
+  :class:`~ngram_hal.speculative.lookup.DeviceDrafter`): the drafter records step t's tokens from
+  the relay and drafts step t+1's chains on the device, so step t+1 is enqueued before the host
+  waits for step t, as without speculation.
 
 A request that turns out to have finished at step t may already be in step t+1; its results
 there are dropped. On the CPU the device runs eagerly inside the launch, so the loop has the same
@@ -42,6 +46,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..speculative.lookup import DeviceDrafter
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
 from .detokenizer import IncrementalDetokenizer, Tokenizer
@@ -60,9 +65,12 @@ class EngineConfig(BaseModel):
 
     ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
     ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever is
-    measured fastest (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. Either way a speculative step runs
-    only as many tree nodes as the fullest draft of the batch holds: a plain decode step (1 node)
-    when the drafter found nothing for any request.
+    measured fastest (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. With a host drafter
+    (``"trie"``, ``"linear"``) a speculative step runs only as many tree nodes as the fullest draft
+    of the batch holds: a plain decode step (1 node) when the drafter found nothing for any
+    request. ``"device"`` drafts the linear drafter's chains on the device
+    (:class:`~ngram_hal.speculative.lookup.DeviceDrafter`): the host never sees a draft, so every
+    step runs the nodes the policy chose, and speculative steps overlap like plain ones.
     ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
     at most :meth:`max_spec_nodes` of it.
@@ -74,7 +82,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     spec_nodes: int = Field(8, ge=1)
-    drafter: Literal["trie", "linear"] = "trie"
+    drafter: Literal["trie", "linear", "device"] = "trie"
     spec_policy: Literal["always", "auto"] = "always"
     probe_every: int = Field(16, ge=1)
     overlap: bool = True
@@ -156,7 +164,8 @@ class Engine:
         model: the target model; its backend runs every device op.
         tokenizer: needed for text prompts, stop strings and output text; optional otherwise.
         config: :class:`EngineConfig`.
-        drafter: a :class:`ngram_hal.speculative.drafter.Drafter`; default from ``config.drafter``.
+        drafter: a :class:`ngram_hal.speculative.drafter.Drafter` (drafting on the host); default
+            from ``config.drafter``.
         eos_token_ids: tokens that end a request (unless ``ignore_eos``); default the model's EOS.
     """
 
@@ -173,8 +182,11 @@ class Engine:
         self.kv = model.new_kv_cache(self.config.num_slots)
         self.sched = Scheduler(self.backend, self.transfer, self.config.num_slots, self.config.max_running,
                                self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens)
+        self.lookup = None
+        if drafter is None and self.num_nodes > 1 and self.config.drafter == "device":
+            self.lookup = DeviceDrafter(self.backend, *self.sched.req_to_token.shape)
         self.drafter = drafter if drafter is not None else (
-            make_drafter(self.config.drafter) if self.num_nodes > 1 else None)
+            make_drafter(self.config.drafter) if self.num_nodes > 1 and self.lookup is None else None)
         if self.drafter is not None:
             self.drafter.prepare()  # memory the drafter maps lazily is mapped now, not at the first requests
         if eos_token_ids is None:
@@ -363,6 +375,8 @@ class Engine:
             return False
         if self.sched.waiting or not self.sched.running:
             return True
+        if self.lookup is not None:
+            return False
         return not self._drafter_busy() and self.policy.peek() > 1
 
     def _drafter_busy(self) -> bool:
@@ -425,6 +439,9 @@ class Engine:
             r.seq_len = n
             r.inflight += 1
         self.stats.prefill_steps += 1
+        if self.lookup is not None:
+            width = self.sched.req_to_token.shape[1]
+            self.lookup.add_prompts(up([r.row * width + p for r, n in zip(reqs, lens) for p in range(n)]), input_ids)
         step = self._ship("prefill", reqs, relay, logprobs, start, begin)
         if self.drafter is not None:
             # The prompts go into the drafter while the device runs the prefill (a large batch of
@@ -440,7 +457,7 @@ class Engine:
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
         n = size = 1 if self._drafter_busy() else self.policy.choose()
         B = len(reqs)
-        if n > 1:
+        if n > 1 and self.drafter is not None:
             draft = self.drafter.draft([r.rid for r in reqs], n)
             self.stats.draft_s += time.perf_counter() - start
             # Nodes past every tree's drafted count are padding: run the step on the first n of
@@ -454,15 +471,18 @@ class Engine:
         bounds = [r.seq_bound(D) for r in reqs]
         self.sched.reserve(reqs, bounds)
         relay = self.relay
-        seq_lens, roots = relay.new_seq_lens, relay.last_tokens()
-        if n > 1:
+        seq_lens = relay.new_seq_lens
+        rows = up([r.row for r in reqs])
+        if self.lookup is not None:
+            tokens = self.lookup.draft(rows, relay, n)
+            tree_mask = self.lookup.chain_masks(B, n)
+        elif n > 1:
             drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
-            tokens = torch.cat([roots.unsqueeze(1), drafts], dim=1).view(-1)
+            tokens = torch.cat([relay.last_tokens().unsqueeze(1), drafts], dim=1).view(-1)
             tree_mask = up(draft.tree_mask[:, :n, :n].contiguous())
         else:
-            tokens = roots.contiguous()
+            tokens = relay.last_tokens().contiguous()
             tree_mask = torch.ones((B, 1, 1), dtype=torch.bool, device=self.device)
-        rows = up([r.row for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
         want_logprobs = any(r.params.logprobs for r in reqs)
         logprobs = None

@@ -266,7 +266,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     decode = tree is None and per_req == 1 and not layout.batch_invariant
     block_n = cfg.attn_block_n(d, q.element_size(), decode)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
-    min_split = cfg.attn_split_keys(block_n, decode)
+    # Tree verify splits like decode, except in the batch-invariant mode (fixed chunks for every query).
+    min_split = cfg.attn_split_keys(block_n, decode or (tree is not None and not layout.batch_invariant))
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
         chunk = min_split

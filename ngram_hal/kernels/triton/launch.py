@@ -22,7 +22,7 @@ class LaunchConfig:
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_min_split: fewest keys a split of the keys may hold (None: one step of the key loop
-            for decode, four otherwise).
+            for decode and tree verify, four otherwise).
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
@@ -86,17 +86,18 @@ class LaunchConfig:
         key_bytes = self.attn_key_bytes * (2 if decode else 1)
         return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
 
-    def attn_split_keys(self, block_n: int, decode: bool = False) -> int:
+    def attn_split_keys(self, block_n: int, few_queries: bool = False) -> int:
         """Fewest keys one split of the attention keys holds: ``attn_min_split``, or four steps of
-        ``block_n`` keys (enough work per program to hide the split's merge), one for decode.
+        ``block_n`` keys (enough work per program to hide the split's merge), one where each
+        request has few queries (decode, tree verify).
 
-        Decode programs hold one query row per query head: too little work for their serial key
-        loop to pay, and a captured step bounds the keys by the request table's width, so most
-        splits of a short context are empty and return at once; one step each keeps a decode
-        step's latency at one key block and the merge."""
+        Decode and tree-verify programs hold one tile of queries per request: too little work for
+        a serial key loop to pay, and a captured step bounds the keys by the request table's
+        width, so most splits of a short context are empty and return at once; one step each
+        keeps a step's latency at one key block and the merge."""
         if self.attn_min_split is not None:
             return self.attn_min_split
-        return block_n if decode else 4 * block_n
+        return block_n if few_queries else 4 * block_n
 
     def attn_stages(self, decode: bool = False) -> int:
         """Pipelining stages of the attention key loop: one more for decode programs."""

@@ -1,0 +1,78 @@
+"""Prompt lookup in one launch: record a step's committed tokens, then draft each request's chain.
+
+One program per request: it writes the request's committed tokens into its row of the token
+table, and after a barrier scans the row for the latest earlier occurrence of the longest suffix
+(up to ``MAX_NGRAM`` tokens) and copies what followed it. The semantics, and the plain-torch
+oracle, are :func:`ngram_hal.speculative.lookup.record_and_draft`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import contract as c
+
+SCAN_BLOCK = 512
+
+
+@triton.jit(do_not_specialize=["W", "stride", "n"])
+def _lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, out_ptr, W, stride, n,
+                   MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    base = table_ptr + tl.load(rows_ptr + b) * W
+    count = tl.load(lens_ptr + b)
+    last = tl.minimum(tl.load(seq_lens_ptr + b), W - 1)
+    j = tl.arange(0, BLOCK_S)
+    new = (j < count) & (j < stride)
+    tl.store(base + last - count + 1 + j, tl.load(tokens_ptr + b * stride + j, mask=new), mask=new)
+    # The scan reads what other threads of this program just wrote.
+    tl.debug_barrier()
+    best = tl.full((), -1, tl.int64)
+    for start in range(0, last, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        run = p < last
+        length = tl.zeros((BLOCK,), tl.int64)
+        for k in tl.static_range(MAX_NGRAM):
+            theirs = tl.load(base + last - k, mask=last >= k, other=-2)
+            run = run & (p >= k) & (tl.load(base + p - k, mask=run & (p >= k), other=-1) == theirs)
+            length += run.to(tl.int64)
+        score = tl.where(length >= MIN_NGRAM, length * W + p, -1)
+        best = tl.maximum(best, tl.max(score, axis=0))
+    root = tl.load(base + last)
+    end = best % W
+    period = tl.maximum(last - end, 1)
+    i = tl.arange(0, BLOCK_N)
+    copy = (i >= 1) & (i < n) & (best + tl.zeros((BLOCK_N,), tl.int64) >= 0)
+    src = tl.minimum(end + 1 + (i - 1) % period, W - 1)
+    chain = tl.load(base + src, mask=copy, other=0)
+    tl.store(out_ptr + b * n + i, tl.where(copy, chain, root), mask=i < n)
+
+
+def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
+                     accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
+                     min_ngram: int) -> torch.Tensor:
+    """The Triton implementation of :func:`ngram_hal.speculative.lookup.record_and_draft` (same
+    arguments and result; ``rows`` must be distinct). Every tensor is int64, contiguous, on one
+    device; ``accept_tokens`` holds a whole stride per request."""
+    op = "lookup.record_and_draft"
+    dev = table.device
+    R, W = c.check_index(op, "table", table, dev, ndim=2).shape
+    B = c.check_index(op, "rows", rows, dev, ndim=1).shape[0]
+    c.check_index(op, "accept_lens", accept_lens, dev, shape=(B,))
+    c.check_index(op, "new_seq_lens", new_seq_lens, dev, shape=(B,))
+    total = c.check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
+    if B and total % B:
+        raise c.ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
+    n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
+    out = torch.empty(B * n, dtype=torch.int64, device=dev)
+    if B:
+        stride = total // B
+        _lookup_kernel[(B,)](table, rows, accept_tokens, accept_lens, new_seq_lens, out, W, stride, n,
+                             MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK,
+                             BLOCK_S=max(16, triton.next_power_of_2(stride)),
+                             BLOCK_N=max(16, triton.next_power_of_2(n)),
+                             num_warps=4)
+    return out

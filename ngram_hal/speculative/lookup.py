@@ -1,0 +1,139 @@
+"""Prompt lookup on the device: each request's tokens kept in a device table, chains drafted there.
+
+The host drafters need a step's committed tokens on the host before the next step can be
+drafted, so a speculative step waits for the one before it. :class:`DeviceDrafter` drafts from
+the :class:`~ngram_hal.speculative.relay.OverlapRelay` instead: it records the relay's committed
+tokens in a token table (``table[row, position]``, one row per request-pool row, like the
+request table) and drafts the next chains from it, without a host sync. The engine can then
+enqueue a speculative step before the previous one has finished, as it does a plain one.
+
+The drafts are those of :class:`~ngram_hal.speculative.drafter.LinearDrafter`: the longest suffix
+of the context (up to ``max_ngram`` tokens, at least ``min_ngram``) that occurred earlier, its
+latest earlier occurrence, and the tokens that followed it, continued periodically where the
+copy reaches the end of the context; with no match the chain repeats the root (the padding rule).
+It sees only its own request's tokens, not a corpus shared across requests.
+
+:func:`record_and_draft` is the plain-torch implementation (any device; the oracle of the Triton
+kernel in :mod:`ngram_hal.kernels.gpu.lookup`, which GPU backends with Triton model kernels use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import contract as c
+from ..backend import Backend
+from .relay import OverlapRelay
+
+
+def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
+                     accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
+                     min_ngram: int) -> torch.Tensor:
+    """Record a step's committed tokens in ``table``, then draft a chain of ``num_nodes`` per request.
+
+    Args:
+        table: int64[R, W], token ids by request row and position; changed in place.
+        rows: int64[B], each request's row of ``table``.
+        accept_tokens: int64[B*S], request b's committed tokens at ``b*S + j`` for
+            ``j < accept_lens[b]`` (S the relay's stride).
+        accept_lens: int64[B]; new_seq_lens: int64[B], lengths after the step. The committed
+            tokens sit at positions ``new_seq_lens - accept_lens + 1 ...``; the last one, at
+            ``new_seq_lens`` (below W), is the root of the next draft.
+        num_nodes: n, nodes per chain (the root included).
+    Returns:
+        int64[B*n]: request b's chain at ``b*n``, its root first.
+    """
+    B, W = rows.shape[0], table.shape[1]
+    stride = accept_tokens.shape[0] // B if B else 1
+    j = torch.arange(stride, dtype=torch.int64, device=table.device)
+    last = new_seq_lens.clamp(max=W - 1).unsqueeze(1)
+    committed = accept_tokens.view(B, stride)
+    # Slots past a request's count rewrite its root (same position, same value): no host sync.
+    keep = j < accept_lens.unsqueeze(1)
+    pos = torch.where(keep, last - accept_lens.unsqueeze(1) + 1 + j, last)
+    values = torch.where(keep, committed, committed.gather(1, (accept_lens - 1).clamp(min=0).unsqueeze(1)))
+    table.view(-1).scatter_(0, (rows.unsqueeze(1) * W + pos).view(-1), values.view(-1))
+    ctx = table.index_select(0, rows)
+    root = ctx.gather(1, last)
+    p = torch.arange(W, dtype=torch.int64, device=table.device).unsqueeze(0)
+    run = p < last
+    length = torch.zeros((B, W), dtype=torch.int64, device=table.device)
+    for k in range(max_ngram):
+        back = p - k
+        mine = ctx.gather(1, back.clamp(min=0).expand(B, W))
+        theirs = ctx.gather(1, (last - k).clamp(min=0))
+        run = run & (back >= 0) & (last - k >= 0) & (mine == theirs)
+        length += run
+    score = torch.where(length >= min_ngram, length * W + p, -1)
+    best = score.max(dim=1, keepdim=True).values
+    found = best >= 0
+    end = best % W
+    period = (last - end).clamp(min=1)
+    i = torch.arange(num_nodes - 1, dtype=torch.int64, device=table.device).unsqueeze(0)
+    copied = ctx.gather(1, (end + 1 + i % period).clamp(max=W - 1))
+    chain = torch.where(found, copied, root)
+    return torch.cat([root, chain], dim=1).view(-1)
+
+
+class DeviceDrafter:
+    """Chains of prompt lookup drafted on the device (see the module docstring).
+
+    Args:
+        backend: runs the drafting (its ``model_kernels`` picks the Triton kernel or torch).
+        num_rows, width: the token table's shape, the request table's: R request-pool rows of W
+            positions.
+        max_ngram, min_ngram: the longest and shortest suffix matched.
+    """
+
+    def __init__(self, backend: Backend, num_rows: int, width: int, max_ngram: int = 8, min_ngram: int = 1):
+        op = "DeviceDrafter"
+        c.check_int(op, "num_rows", num_rows, minimum=1)
+        c.check_int(op, "width", width, minimum=2)
+        self.max_ngram = c.check_int(op, "max_ngram", max_ngram, minimum=1)
+        self.min_ngram = c.check_int(op, "min_ngram", min_ngram, minimum=1)
+        if min_ngram > max_ngram:
+            raise c.ContractError(op, "min_ngram", f"expected <= max_ngram ({max_ngram}), got {min_ngram}")
+        self.device = backend.device
+        self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
+        self._kernel = None
+        if getattr(backend, "model_kernels", "torch") == "triton":
+            from ..kernels.gpu import lookup
+
+            self._kernel = lookup.record_and_draft
+        self._chains: dict[int, torch.Tensor] = {}
+
+    def add_prompts(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record prompts: ``table.view(-1)[index] = tokens`` (int64[N] each, on the device;
+        ``index`` is ``row * W + position``)."""
+        op = "DeviceDrafter.add_prompts"
+        N = c.check_index(op, "index", index, self.device, ndim=1).shape[0]
+        c.check_index(op, "tokens", tokens, self.device, shape=(N,))
+        self.table.view(-1).index_copy_(0, index, tokens)
+
+    def draft(self, rows: torch.Tensor, relay: OverlapRelay, num_nodes: int) -> torch.Tensor:
+        """Record ``relay``'s committed tokens and draft a chain of ``num_nodes`` per request.
+
+        Args:
+            rows: int64[B], the relay's requests' rows, in relay order.
+            relay: the last step's results of those requests (after a prefill: the first token).
+            num_nodes: n >= 1 (1 records only and returns the roots).
+        Returns:
+            int64[B*n] on the device: each request's root, then n-1 drafted tokens.
+        """
+        op = "DeviceDrafter.draft"
+        n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
+        c.check_index(op, "rows", rows, self.device, shape=(relay.batch_size,))
+        if not c.same_device(relay.device, self.device):
+            raise c.ContractError(op, "relay", f"expected a relay on {self.device}, got one on {relay.device}")
+        impl = self._kernel or record_and_draft
+        return impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, n,
+                    self.max_ngram, self.min_ngram)
+
+    def chain_masks(self, batch_size: int, num_nodes: int) -> torch.Tensor:
+        """bool[B, n, n]: the tree masks of B chains (node i the child of node i-1); cached."""
+        masks = self._chains.get(num_nodes)
+        if masks is None or masks.shape[0] < batch_size:
+            chain = torch.ones((num_nodes, num_nodes), dtype=torch.bool, device=self.device).tril()
+            masks = chain.expand(max(batch_size, 1), num_nodes, num_nodes).contiguous()
+            self._chains[num_nodes] = masks
+        return masks[:batch_size]

@@ -1,0 +1,125 @@
+"""Prompt lookup on the device (``speculative.lookup``) against the host's linear drafter.
+
+:class:`DeviceDrafter` must draft exactly what :class:`LinearDrafter` drafts from the same
+context, when it learns that context the engine's way: prompts recorded at the prefill, then each
+step's committed tokens read from the relay. The Triton kernel must match the torch
+implementation, the token table included (on a GPU where there is one, else under Triton's
+interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ngram_hal.contract import ContractError
+from ngram_hal.reference import CpuBackend
+from ngram_hal.speculative.drafter import LinearDrafter
+from ngram_hal.speculative.lookup import DeviceDrafter, record_and_draft
+from ngram_hal.speculative.relay import OverlapRelay
+
+STRIDE = 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _relay(runs: list[list[int]], seq_lens: list[int]) -> OverlapRelay:
+    """The relay of a step that committed ``runs`` (one per request) ending at ``seq_lens``."""
+    tokens = torch.full((len(runs), STRIDE), -1, dtype=torch.int64)
+    for b, run in enumerate(runs):
+        tokens[b, :len(run)] = torch.tensor(run)
+    return OverlapRelay(tokens.view(-1), torch.tensor([len(r) for r in runs]), torch.tensor(seq_lens), STRIDE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=3),
+       steps=st.lists(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=STRIDE), min_size=3, max_size=3),
+                      max_size=6),
+       nodes=st.integers(1, 12), max_ngram=st.integers(2, 6), min_ngram=st.integers(1, 3))
+def test_drafts_equal_the_linear_drafter(prompts, steps, nodes, max_ngram, min_ngram):
+    min_ngram = min(min_ngram, max_ngram)
+    B, width = len(prompts), 128
+    device = DeviceDrafter(CpuBackend(), num_rows=4, width=width, max_ngram=max_ngram, min_ngram=min_ngram)
+    host = LinearDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    rows = torch.tensor([3, 0, 2][:B])
+    # The engine's prefill: the prompt but its last token goes to the table; the last token is the
+    # relay's first committed token (as a first sampled token would be).
+    index = [int(r) * width + p for r, prompt in zip(rows, prompts) for p in range(len(prompt) - 1)]
+    device.add_prompts(torch.tensor(index, dtype=torch.int64),
+                       torch.tensor([t for prompt in prompts for t in prompt[:-1]], dtype=torch.int64))
+    relay = _relay([p[-1:] for p in prompts], [len(p) - 1 for p in prompts])
+    contexts = [list(p) for p in prompts]
+    for b, prompt in enumerate(prompts):
+        host.add_request(b, prompt)
+    for runs in [None, *steps]:
+        if runs is not None:
+            runs = runs[:B]
+            for b, run in enumerate(runs):
+                host.extend(b, run)
+                contexts[b] += run
+            relay = _relay(runs, [len(c) - 1 for c in contexts])
+        got = device.draft(rows, relay, nodes).view(B, nodes)
+        assert got.tolist() == host.draft(list(range(B)), nodes).tokens.view(B, nodes).tolist()
+        for b, context in enumerate(contexts):
+            assert device.table[rows[b], :len(context)].tolist() == context
+            assert got[b, 0] == context[-1]
+
+
+def test_no_match_repeats_the_root_and_short_matches_pad():
+    device = DeviceDrafter(CpuBackend(), num_rows=1, width=16, max_ngram=4, min_ngram=2)
+    device.add_prompts(torch.arange(4), torch.tensor([1, 2, 3, 9]))
+    rows = torch.tensor([0])
+    assert device.draft(rows, _relay([[3]], [4]), 3).tolist() == [3, 3, 3]  # only "3" matched
+    assert device.draft(rows, _relay([[9]], [5]), 3).tolist() == [9, 3, 9]  # "3 9": copy, then repeat
+
+
+def test_chain_masks_are_chains():
+    device = DeviceDrafter(CpuBackend(), num_rows=1, width=16)
+    masks = device.chain_masks(3, 4)
+    assert masks.shape == (3, 4, 4) and masks.dtype == torch.bool
+    assert torch.equal(masks[2], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert device.chain_masks(5, 4).shape == (5, 4, 4) and device.chain_masks(2, 4).shape == (2, 4, 4)
+
+
+def test_bad_arguments_raise_and_change_nothing():
+    with pytest.raises(ContractError, match="min_ngram"):
+        DeviceDrafter(CpuBackend(), num_rows=1, width=16, max_ngram=2, min_ngram=3)
+    device = DeviceDrafter(CpuBackend(), num_rows=2, width=16)
+    before = device.table.clone()
+    relay = _relay([[1]], [0])
+    with pytest.raises(ContractError, match="rows"):
+        device.draft(torch.tensor([0], dtype=torch.int32), relay, 2)
+    with pytest.raises(ContractError, match="rows"):
+        device.draft(torch.tensor([0, 1]), relay, 2)
+    with pytest.raises(ContractError, match="num_nodes"):
+        device.draft(torch.tensor([0]), relay, 0)
+    with pytest.raises(ContractError, match="tokens"):
+        device.add_prompts(torch.tensor([0, 1]), torch.tensor([5]))
+    assert torch.equal(device.table, before)
+
+
+CASES = [  # (rows R, width W, batch B, relay stride S, nodes n, max_ngram, vocab)
+    (6, 40, 3, 8, 8, 8, 2), (6, 1200, 4, 16, 16, 8, 3), (3, 600, 1, 1, 1, 3, 4), (5, 513, 5, 4, 12, 1, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_kernel_matches_torch(case):
+    pytest.importorskip("triton")
+    from ngram_hal.kernels.gpu.lookup import record_and_draft as kernel
+
+    R, W, B, S, n, K, vocab = case
+    gen = torch.Generator().manual_seed(sum(case))
+    for trial in range(4):
+        table = torch.randint(0, vocab, (R, W), generator=gen)
+        rows = torch.randperm(R, generator=gen)[:B]
+        lens = torch.randint(1, S + 1, (B,), generator=gen)
+        seq_lens = torch.maximum(torch.randint(0, W, (B,), generator=gen), lens - 1)
+        seq_lens[0] = W - 1 if trial == 0 else seq_lens[0]  # the root on the table's last position
+        tokens = torch.randint(0, vocab, (B * S,), generator=gen)
+        mine = table.clone()
+        want = record_and_draft(mine, rows, tokens, lens, seq_lens, n, K, 1)
+        theirs = table.to(DEVICE)
+        got = kernel(theirs, *(t.to(DEVICE) for t in (rows, tokens, lens, seq_lens)), n, K, 1)
+        assert torch.equal(got.cpu(), want) and torch.equal(theirs.cpu(), mine)

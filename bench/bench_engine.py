@@ -14,7 +14,8 @@ first of ``--spec-nodes``):
   invariant-spec{D0}-device                  only where the backend runs Triton model kernels
 
 Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
-timed on the same engine with a fresh drafter and speculation policy. Per run: tokens/s with the
+timed on the same engine with a fresh drafter and speculation policy, ``--repeats`` times: the
+median pass (by tokens/s) is reported, every pass's tokens/s beside it. Per run: tokens/s with the
 prefill and decode-only tokens/s (tokens after each request's first, over the time after the last
 request got its first token), tokens per verify step, steps by the tree size the policy chose (a
 step runs fewer nodes when no draft fills the tree: ``mean_tree_nodes``), the device's idle time
@@ -118,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "batch-invariant (default 8,16; quick 4)")
     parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
                         help="only these runs (default: all; names in the description)")
+    parser.add_argument("--repeats", type=POSITIVE_INT, default=1, metavar="N",
+                        help="timed passes of each run; the median one (by tokens/s) is reported (default 1)")
     parser.add_argument("--profile-steps", type=int, default=20, metavar="N",
                         help="decode steps profiled per run for kernels and launches, on CUDA (default 20; 0: off)")
     parser.add_argument("--max-context-len", type=POSITIVE_INT, default=2048,
@@ -235,12 +238,17 @@ def measure(setup: Setup, model, cfg: RunConfig, batch: int, workload: list[Prom
         row["warmup_s"] = time.perf_counter() - start
         captures = engine.graphs.captures if engine.graphs is not None else None
         reset_peak_memory(device)
-        timed, chosen = [], Counter()
-        for g in groups:
-            fresh_drafting(engine)
-            timed.append(run_prompts(engine, tokenizer, g, params))
-            chosen.update(engine.policy.chosen)
+        passes = []
+        for _ in range(args.repeats):
+            timed, chosen = [], Counter()
+            for g in groups:
+                fresh_drafting(engine)
+                timed.append(run_prompts(engine, tokenizer, g, params))
+                chosen.update(engine.policy.chosen)
+            passes.append((RunTotals.combine([r.totals for r in timed]).tokens_per_s, timed, chosen))
         row["peak_device_memory_bytes"] = peak_memory(device)
+        row["passes_tokens_per_s"] = [rate for rate, _, _ in passes]
+        _, timed, chosen = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
         row.update(summarize(timed, chosen))
         row["by_kind"] = kind_totals(timed, batch)
         row["same_as_warmup"] = [r.token_ids for w in warm for r in w.requests] == row["token_ids"]

@@ -8,7 +8,8 @@ greedy tokens: the mean common prefix, and the prompts that match exactly (also 
 prompt lookup and static cache against its own greedy output).
 
 Ours runs plain (D = 1), with the trie drafter, with the linear prompt-lookup drafter (the same
-algorithm as transformers' prompt lookup) and with the trie under the ``auto`` policy (each step
+algorithm as transformers' prompt lookup; also drafted on the device where the backend runs Triton
+model kernels) and with the trie under the ``auto`` policy (each step
 picks 1, 2, 4 or D nodes from measured throughput), their drafters and policies new after the
 warm-up (learning across the prompts from there, as a server's would); on an accelerator through the backend ``auto`` picks there (``cuda`` on an NVIDIA GPU), with
 captured step graphs. Transformers runs ``generate`` greedy, with prompt lookup, and (by default
@@ -41,7 +42,7 @@ from common import (error_text, fresh_drafting, make_console, make_table, peak_r
                     report_header, write_json, write_report)
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.engine.commands import DTYPES  # noqa: E402
+from ngram_hal.engine.commands import DTYPES, default_drafter  # noqa: E402
 from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
 from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402
@@ -194,6 +195,7 @@ def main(argv=None) -> None:
         "ours_trie": Ours(model, tok, args.spec_nodes, "trie"),
         "ours_linear": Ours(model, tok, args.spec_nodes, "linear"),
         "ours_auto": Ours(model, tok, args.spec_nodes, "trie", "auto"),
+        **({"ours_device": Ours(model, tok, args.spec_nodes, "device")} if default_drafter(backend) == "device" else {}),
         "hf_plain": Theirs(hf, tok.eos_token_id, sync),
         "hf_pld": Theirs(hf, tok.eos_token_id, sync, prompt_lookup_num_tokens=lookup),
     }
@@ -233,7 +235,8 @@ def main(argv=None) -> None:
     table = make_table(f"ngram-hal vs transformers {transformers.__version__}, batch 1, greedy, "
                        f"{report['device_name']}, {dtype}",
                        ("prompts", "ours tok/s", "HF tok/s", "ours/HF", "HF static tok/s", "ours spec tok/s",
-                        "ours speedup", "ours linear speedup", "ours auto speedup", "HF PLD speedup", "ours tok/fwd",
+                        "ours speedup", "ours linear speedup", "ours auto speedup", "ours device speedup",
+                        "HF PLD speedup", "ours tok/fwd",
                         "ours linear tok/fwd", "HF PLD tok/fwd", "match vs HF", "ours = HF", "HF PLD = HF"),
                        left=("prompts",))
     for kind, group in groups.items():
@@ -250,12 +253,14 @@ def main(argv=None) -> None:
         match = None
         if "ours_plain" in runs and "hf_plain" in runs:
             match = statistics.mean(prefix_match(a[0], b[0]) for a, b in zip(runs["ours_plain"], runs["hf_plain"]))
-        same_spec = {name: exact(runs, name, "ours_plain") for name in ("ours_trie", "ours_linear", "ours_auto")}
+        same_spec = {name: exact(runs, name, "ours_plain")
+                     for name in ("ours_trie", "ours_linear", "ours_auto", "ours_device") if name in systems}
         entry = {"prompts": [s.id for s in group], "runs": sums,
                  "ours_vs_hf_plain": speed(sums, "ours_plain", "hf_plain"),
                  "ours_spec_speedup": speed(sums, "ours_trie", "ours_plain"),
                  "ours_linear_speedup": speed(sums, "ours_linear", "ours_plain"),
                  "ours_auto_speedup": speed(sums, "ours_auto", "ours_plain"),
+                 "ours_device_speedup": speed(sums, "ours_device", "ours_plain"),
                  "hf_pld_speedup": speed(sums, "hf_pld", "hf_plain"),
                  "hf_static_speedup": speed(sums, "hf_static", "hf_plain"),
                  "greedy_prefix_match_vs_hf": match,
@@ -271,6 +276,7 @@ def main(argv=None) -> None:
                       _cell(entry["ours_vs_hf_plain"], ".2f"), _cell(tok_s.get("hf_static"), ".2f"),
                       _cell(tok_s.get("ours_trie"), ".2f"), _cell(entry["ours_spec_speedup"], ".2f"),
                       _cell(entry["ours_linear_speedup"], ".2f"), _cell(entry["ours_auto_speedup"], ".2f"),
+                      _cell(entry["ours_device_speedup"], ".2f"),
                       _cell(entry["hf_pld_speedup"], ".2f"), _cell(per_fwd.get("ours_trie"), ".2f"),
                       _cell(per_fwd.get("ours_linear"), ".2f"), _cell(per_fwd.get("hf_pld"), ".2f"),
                       "-" if match is None else f"{100 * match:.0f}%",

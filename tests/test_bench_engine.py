@@ -19,8 +19,8 @@ from ngram_hal.engine.model import LlamaModel
 from ngram_hal.reference import CpuBackend
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invariant", "drafter", "status", "error", "warmup_s",
-            "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
+ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invariant", "drafter", "status", "error",
+            "warmup_s", "passes_tokens_per_s", "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
             "requests", "kinds", "finish_reasons", "verify_steps", "request_errors", "token_ids", "by_kind",
             "same_as_warmup", "graphs_used", "graph_captures", "graph_captures_timed", "kv_cache_bytes", "profile",
             "vs_plain", "vs_old", "same_tokens_as_plain"}
@@ -50,8 +50,8 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
         {"id": "echo", "kind": "copy", "messages": [{"role": "user", "content": "Repeat: red blue red blue red"}]},
         {"id": "sky", "kind": "open", "messages": [{"role": "user", "content": "Why?"}]})))
     out = tmp_path / "bench.json"
-    assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--prompts", str(prompts),
-                              "--json", str(out)]) == 0
+    assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--repeats", "2",
+                              "--prompts", str(prompts), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
 
     assert report["schema"] == "ngram-hal-bench-engine/1"
@@ -71,6 +71,7 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
         t = row["totals"]
         assert t["requests"] == 2, "each prompt alone at B = 1, two requests at B = 2"
         assert t["tokens_per_s"] > 0 and t["decode_s"] < t["wall_s"]
+        assert len(row["passes_tokens_per_s"]) == 2 and t["tokens_per_s"] in row["passes_tokens_per_s"]
         assert t["decode_tokens"] == sum(len(ids) - 1 for ids in row["token_ids"])
         assert row["peak_device_memory_bytes"] is None and row["profile"] is None, "nothing to profile on the CPU"
         assert t["device_busy_s"] == 0 and row["graphs_used"] is False

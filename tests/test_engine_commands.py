@@ -132,3 +132,15 @@ def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "spec-auto" in printed and "overlap" in printed
     assert all(len(line) <= 80 for line in printed.splitlines()) and "…" not in printed
+
+
+def test_default_drafter_follows_the_model_kernels():
+    from ngram_hal.engine.commands import default_drafter
+    from ngram_hal.reference import CpuBackend
+
+    assert default_drafter(CpuBackend()) == "trie"
+
+    class TritonKernels(CpuBackend):
+        model_kernels = "triton"
+
+    assert default_drafter(TritonKernels()) == "device"

@@ -55,9 +55,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "(default: the bundled prompts)")
     parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=8, metavar="D",
                         help="draft-tree nodes per step (default 8)")
-    parser.add_argument("--drafter", choices=("trie", "linear", "device"), default="trie",
+    parser.add_argument("--drafter", choices=("trie", "linear", "device"), default=None,
                         help="n-gram drafter: trie or linear on the host, device: the linear drafter's chains drafted "
-                             "on the device (default trie)")
+                             "on the device (default: device on a backend with Triton model kernels, trie elsewhere)")
     parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=16384,
                         help="KV-cache slots (default 16384)")
     parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
@@ -210,6 +210,12 @@ def busy_note(load: float, cores: int) -> str | None:
 # ---------------------------------------------------------------------------- set-up
 
 
+def default_drafter(backend) -> str:
+    """``"device"`` where the backend runs Triton model kernels (cuda, rocm: drafting on the device
+    lets speculative steps overlap), ``"trie"`` elsewhere (on the CPU the host drafts as fast)."""
+    return "device" if getattr(backend, "model_kernels", "torch") == "triton" else "trie"
+
+
 class Setup:
     """Backend, model and tokenizer loaded once for several runs; ``status`` shows what it is doing.
 
@@ -222,6 +228,8 @@ class Setup:
 
         self.path = path = model_file(args)
         self.backend = make_backend(args)
+        if getattr(args, "drafter", None) is None:
+            args.drafter = default_drafter(self.backend)
         self.args = args
         threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
         torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ from ngram_hal.reference import CpuBackend
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invariant", "drafter", "status", "error",
-            "warmup_s", "passes_tokens_per_s", "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
+            "warmup_s", "passes_tokens_per_s", "paired_plain_tokens_per_s", "vs_plain_paired",
+            "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
             "requests", "kinds", "finish_reasons", "verify_steps", "request_errors", "token_ids", "by_kind",
             "same_as_warmup", "graphs_used", "graph_captures", "graph_captures_timed", "kv_cache_bytes", "profile",
             "vs_plain", "vs_old", "same_tokens_as_plain"}
@@ -58,6 +59,7 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
     assert report["backend"] == "cpu" and report["device_name"] and report["setup"]["dtype"] == "float32"
     assert {"torch", "triton", "driver", "cuda", "python"} <= set(report["versions"])
     assert report["options"]["batch_sizes"] == [1, 2] and report["options"]["spec_nodes"] == [4]
+    assert report["options"]["repeats"] == 2
     assert [p["id"] for p in report["prompts"]] == ["echo", "sky"]
     names = ["plain", "plain-nooverlap", "plain-nographs", "plain-nographs-nooverlap", "spec4", "spec4-device",
              "spec4-nooverlap", "auto4", "auto4-device", "invariant-plain", "invariant-spec4", "invariant-spec4-device"]
@@ -72,6 +74,10 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
         assert t["requests"] == 2, "each prompt alone at B = 1, two requests at B = 2"
         assert t["tokens_per_s"] > 0 and t["decode_s"] < t["wall_s"]
         assert len(row["passes_tokens_per_s"]) == 2 and t["tokens_per_s"] in row["passes_tokens_per_s"]
+        if row["run"] == "plain":
+            assert row["paired_plain_tokens_per_s"] is None and row["vs_plain_paired"] is None
+        else:
+            assert len(row["paired_plain_tokens_per_s"]) == 2 and row["vs_plain_paired"] > 0
         assert t["decode_tokens"] == sum(len(ids) - 1 for ids in row["token_ids"])
         assert row["peak_device_memory_bytes"] is None and row["profile"] is None, "nothing to profile on the CPU"
         assert t["device_busy_s"] == 0 and row["graphs_used"] is False
@@ -169,6 +175,7 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
             _row(64, "plain", 21000.0), _row(64, "auto8", 19000.0, 8),
             {"batch": 64, "run": "spec8", "status": "error", "error": "OutOfMemoryError: ...", "spec_nodes": 8,
              "invariant": False}]
+    rows[-2]["vs_plain_paired"] = 0.97  # B=64 auto8: paired with plain passes, 0.90x median against median
     report = {"runs": rows}
     bench_engine.derive(report, configs, [1, 64])
     got = {t["target"]: (t["measured"], t["met"], t["run"]) for t in report["targets"]}
@@ -179,7 +186,8 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     assert got["device idle between steps, spec8-device, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.05), True)
     assert got["plain decode, batch 64 (tok/s)"] == (21000.0, True, "B=64 plain")
     assert got["auto8 / plain, batch 1"][:2] == (pytest.approx(1150 / 1200), True)
-    assert got["auto8 / plain, batch 64"][:2] == (pytest.approx(19000 / 21000), False)
+    assert got["auto8 / plain, batch 64"] == (0.97, True, "B=64 auto8 (passes paired with plain passes)")
+    assert rows[-2]["vs_plain"] == pytest.approx(19000 / 21000)
     assert got["greedy with speculation == without, default mode (requests)"][:2] == ("9/10", False)
     assert got["greedy with speculation == without, invariant mode (requests)"][:2] == ("2/2", True)
     assert rows[2]["same_tokens_as_plain"] == {"same": 1, "of": 2, "differ": ["b"]}

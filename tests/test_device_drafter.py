@@ -123,3 +123,32 @@ def test_triton_kernel_matches_torch(case):
         theirs = table.to(DEVICE)
         got = kernel(theirs, *(t.to(DEVICE) for t in (rows, tokens, lens, seq_lens)), n, K, 1)
         assert torch.equal(got.cpu(), want) and torch.equal(theirs.cpu(), mine)
+
+
+def test_engine_drafts_with_the_triton_kernel_and_stays_exact():
+    """On a backend with Triton model kernels (here the cuda backend, interpreted where there is no
+    GPU) the engine drafts through the Triton kernel; greedy output equals plain decoding's."""
+    pytest.importorskip("triton")
+    from ngram_hal_cuda import CudaBackend
+
+    from ngram_hal.engine.config import LlamaConfig
+    from ngram_hal.engine.engine import Engine, EngineConfig
+    from ngram_hal.engine.model import LlamaModel
+    from ngram_hal.engine.request import SamplingParams
+    from ngram_hal.kernels.gpu import lookup
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
+    model = LlamaModel.random(cfg, CudaBackend(device=DEVICE), seed=3)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 2, 9, 1, 2, 9]]
+    params = SamplingParams(max_new_tokens=12)
+    outs = {}
+    for nodes, drafter in ((1, "trie"), (4, "device")):
+        engine = Engine(model, None, EngineConfig(spec_nodes=nodes, drafter=drafter, num_slots=256,
+                                                  max_context_len=64, graphs=False))
+        outs[drafter] = [o.token_ids for o in engine.generate(prompts, params)]
+        if drafter == "device":
+            assert engine.lookup._kernel is lookup.record_and_draft
+            accepted = engine.stats.tokens_per_step
+    assert outs["device"] == outs["trie"]
+    assert accepted > 1.0, "the prompts must accept drafts for this test to cover speculation"

@@ -26,10 +26,30 @@ from ..backend import Backend
 from .relay import OverlapRelay
 
 
+def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
+                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int
+                           ) -> tuple[int, int, int, int]:
+    """Check the arguments of :func:`record_and_draft` (either implementation) from their metadata
+    alone; ``(B, W, S, n)``. A wrong one raises ``ContractError`` naming it."""
+    dev = table.device
+    W = c.check_index(op, "table", table, dev, ndim=2).shape[1]
+    B = c.check_index(op, "accept_lens", accept_lens, dev, ndim=1).shape[0]
+    c.check_index(op, "rows", rows, dev, shape=(B,))
+    c.check_index(op, "new_seq_lens", new_seq_lens, dev, shape=(B,))
+    total = c.check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
+    if B and total % B:
+        raise c.ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
+    n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
+    return B, W, total // B if B else 1, n
+
+
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
                      min_ngram: int) -> torch.Tensor:
     """Record a step's committed tokens in ``table``, then draft a chain of ``num_nodes`` per request.
+
+    Every tensor is int64 and contiguous on one device (checked by :func:`check_record_and_draft`);
+    ``rows`` are distinct.
 
     Args:
         table: int64[R, W], token ids by request row and position; changed in place.
@@ -43,8 +63,8 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     Returns:
         int64[B*n]: request b's chain at ``b*n``, its root first.
     """
-    B, W = rows.shape[0], table.shape[1]
-    stride = accept_tokens.shape[0] // B if B else 1
+    B, W, stride, num_nodes = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens,
+                                                     accept_lens, new_seq_lens, num_nodes)
     j = torch.arange(stride, dtype=torch.int64, device=table.device)
     last = new_seq_lens.clamp(max=W - 1).unsqueeze(1)
     committed = accept_tokens.view(B, stride)
@@ -119,14 +139,11 @@ class DeviceDrafter:
             num_nodes: n >= 1 (1 records only and returns the roots).
         Returns:
             int64[B*n] on the device: each request's root, then n-1 drafted tokens.
+
+        The implementation checks the arguments (:func:`check_record_and_draft`).
         """
-        op = "DeviceDrafter.draft"
-        n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
-        c.check_index(op, "rows", rows, self.device, shape=(relay.batch_size,))
-        if not c.same_device(relay.device, self.device):
-            raise c.ContractError(op, "relay", f"expected a relay on {self.device}, got one on {relay.device}")
         impl = self._kernel or record_and_draft
-        return impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, n,
+        return impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, num_nodes,
                     self.max_ngram, self.min_ngram)
 
     def chain_masks(self, batch_size: int, num_nodes: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import contract as c
+from ...speculative.lookup import check_record_and_draft
 
 SCAN_BLOCK = 512
 
@@ -55,21 +55,11 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
                      min_ngram: int) -> torch.Tensor:
     """The Triton implementation of :func:`ngram_hal.speculative.lookup.record_and_draft` (same
-    arguments and result; ``rows`` must be distinct). Every tensor is int64, contiguous, on one
-    device; ``accept_tokens`` holds a whole stride per request."""
-    op = "lookup.record_and_draft"
-    dev = table.device
-    R, W = c.check_index(op, "table", table, dev, ndim=2).shape
-    B = c.check_index(op, "rows", rows, dev, ndim=1).shape[0]
-    c.check_index(op, "accept_lens", accept_lens, dev, shape=(B,))
-    c.check_index(op, "new_seq_lens", new_seq_lens, dev, shape=(B,))
-    total = c.check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
-    if B and total % B:
-        raise c.ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
-    n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
-    out = torch.empty(B * n, dtype=torch.int64, device=dev)
+    arguments, checks and result)."""
+    B, W, stride, n = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens, accept_lens,
+                                             new_seq_lens, num_nodes)
+    out = torch.empty(B * n, dtype=torch.int64, device=table.device)
     if B:
-        stride = total // B
         _lookup_kernel[(B,)](table, rows, accept_tokens, accept_lens, new_seq_lens, out, W, stride, n,
                              MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK,
                              BLOCK_S=max(16, triton.next_power_of_2(stride)),

@@ -460,7 +460,8 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
 def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
     """Drafted on the device, a speculative step is launched before the host waits for the one
     before it: no decode step's tokens are on the critical path (but the last one's). The drafts
-    are the linear drafter's, so a step commits more than one token on average."""
+    are the linear drafter's, so a step of 8 nodes commits more than one token on average; the
+    sizes ``auto`` picks follow measured times, so there only some step speculates."""
     engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy=policy, probe_every=2)
     assert engine.drafter is None and engine.lookup is not None
     absorbed = []
@@ -476,7 +477,9 @@ def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
     assert_all_free(engine)
     decode = [(size, critical) for kind, size, critical in absorbed if kind == "decode"]
     assert not any(critical for _, critical in decode[:-1])
-    assert any(size > 1 for size, _ in decode) and engine.stats.tokens_per_step > 1.2
+    assert any(size > 1 for size, _ in decode)
+    if policy == "always":
+        assert engine.stats.tokens_per_step > 1.2
 
 
 def test_device_drafts_sample_and_mix_with_greedy(model, prompts, reference):

@@ -41,13 +41,16 @@ def test_drafts_equal_the_linear_drafter(prompts, steps, nodes, max_ngram, min_n
     min_ngram = min(min_ngram, max_ngram)
     B, width = len(prompts), 128
     device = DeviceDrafter(CpuBackend(), num_rows=4, width=width, max_ngram=max_ngram, min_ngram=min_ngram)
+    # Drafting one step ahead: chains of 12 recorded and drafted by the step before, cut to n.
+    ahead = DeviceDrafter(CpuBackend(), num_rows=4, width=width, num_nodes=12, max_ngram=max_ngram,
+                          min_ngram=min_ngram)
     host = LinearDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
     rows = torch.tensor([3, 0, 2][:B])
     # The engine's prefill: the prompt but its last token goes to the table; the last token is the
     # relay's first committed token (as a first sampled token would be).
-    index = [int(r) * width + p for r, prompt in zip(rows, prompts) for p in range(len(prompt) - 1)]
-    device.add_prompts(torch.tensor(index, dtype=torch.int64),
-                       torch.tensor([t for prompt in prompts for t in prompt[:-1]], dtype=torch.int64))
+    for drafter in (device, ahead):
+        drafter.add_prompts(rows, torch.tensor([len(p) - 1 for p in prompts]),
+                            torch.tensor([t for prompt in prompts for t in prompt[:-1]], dtype=torch.int64))
     relay = _relay([p[-1:] for p in prompts], [len(p) - 1 for p in prompts])
     contexts = [list(p) for p in prompts]
     for b, prompt in enumerate(prompts):
@@ -61,6 +64,9 @@ def test_drafts_equal_the_linear_drafter(prompts, steps, nodes, max_ngram, min_n
             relay = _relay(runs, [len(c) - 1 for c in contexts])
         got = device.draft(rows, relay, nodes).view(B, nodes)
         assert got.tolist() == host.draft(list(range(B)), nodes).tokens.view(B, nodes).tolist()
+        ahead.draft_next(rows, relay)
+        assert torch.equal(ahead.chains_ahead(B, nodes), got)
+        assert torch.equal(ahead.table, device.table)
         for b, context in enumerate(contexts):
             assert device.table[rows[b], :len(context)].tolist() == context
             assert got[b, 0] == context[-1]
@@ -68,7 +74,7 @@ def test_drafts_equal_the_linear_drafter(prompts, steps, nodes, max_ngram, min_n
 
 def test_no_match_repeats_the_root_and_short_matches_pad():
     device = DeviceDrafter(CpuBackend(), num_rows=1, width=16, max_ngram=4, min_ngram=2)
-    device.add_prompts(torch.arange(4), torch.tensor([1, 2, 3, 9]))
+    device.add_prompts(torch.tensor([0]), torch.tensor([4]), torch.tensor([1, 2, 3, 9]))
     rows = torch.tensor([0])
     assert device.draft(rows, _relay([[3]], [4]), 3).tolist() == [3, 3, 3]  # only "3" matched
     assert device.draft(rows, _relay([[9]], [5]), 3).tolist() == [9, 3, 9]  # "3 9": copy, then repeat
@@ -94,8 +100,14 @@ def test_bad_arguments_raise_and_change_nothing():
         device.draft(torch.tensor([0, 1]), relay, 2)
     with pytest.raises(ContractError, match="num_nodes"):
         device.draft(torch.tensor([0]), relay, 0)
-    with pytest.raises(ContractError, match="tokens"):
-        device.add_prompts(torch.tensor([0, 1]), torch.tensor([5]))
+    with pytest.raises(ContractError, match="lens"):
+        device.add_prompts(torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([5]))
+    with pytest.raises(ContractError, match="rows"):
+        device.draft_next(torch.tensor([0, 1, 1]), _relay([[1], [1], [1]], [0, 0, 0]))
+    with pytest.raises(ContractError, match="live"):
+        device.draft_next(torch.tensor([0]), relay, live=torch.tensor([1, 1]))
+    with pytest.raises(ContractError, match="num_nodes"):
+        device.chains_ahead(1, 2)
     assert torch.equal(device.table, before)
 
 
@@ -123,6 +135,32 @@ def test_triton_kernel_matches_torch(case):
         theirs = table.to(DEVICE)
         got = kernel(theirs, *(t.to(DEVICE) for t in (rows, tokens, lens, seq_lens)), n, K, 1)
         assert torch.equal(got.cpu(), want) and torch.equal(theirs.cpu(), mine)
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=str)
+def test_padding_records_nothing(case):
+    """A padded batch (a captured step's): the requests past ``live`` point at row 0 with length 0;
+    neither implementation writes for them, and the real requests' chains land in ``out``."""
+    pytest.importorskip("triton")
+    from ngram_hal.kernels.gpu.lookup import record_and_draft as kernel
+
+    R, W, B, S, n, K, vocab = case
+    gen = torch.Generator().manual_seed(sum(case))
+    table = torch.randint(0, vocab, (R, W), generator=gen)
+    real = B - 1
+    rows = torch.cat([torch.randperm(R - 1, generator=gen)[:real] + 1, torch.zeros(1, dtype=torch.int64)])
+    lens = torch.randint(1, S + 1, (B,), generator=gen)
+    seq_lens = torch.maximum(torch.randint(1, W, (B,), generator=gen), lens)
+    seq_lens[real:] = lens[real:]  # a padding request's committed tokens would start at position 1
+    tokens = torch.randint(0, vocab, (B * S,), generator=gen)
+    live = torch.tensor([real])
+    want = record_and_draft(table.clone(), rows[:real], tokens[:real * S], lens[:real], seq_lens[:real], n, K, 1)
+    for impl, dev in ((record_and_draft, "cpu"), (kernel, DEVICE)):
+        mine = table.to(dev)
+        out = torch.full((B * n,), -7, dtype=torch.int64, device=dev)
+        impl(mine, *(t.to(dev) for t in (rows, tokens, lens, seq_lens)), n, K, 1, live.to(dev), out)
+        assert torch.equal(mine[0].cpu(), table[0]), "padding wrote into row 0"
+        assert torch.equal(out[:real * n].cpu(), want)
 
 
 def test_engine_drafts_with_the_triton_kernel_and_stays_exact():

@@ -461,20 +461,27 @@ def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
     """Drafted on the device, a speculative step is launched before the host waits for the one
     before it: no decode step's tokens are on the critical path (but the last one's). The drafts
     are the linear drafter's, so a step of 8 nodes commits more than one token on average; the
-    sizes ``auto`` picks follow measured times, so there only some step speculates."""
+    sizes ``auto`` picks follow measured times, so there only some step speculates. Each step
+    drafts the next one's chains; a separate drafting launch runs only where the batch changed
+    (a prefill joined, a request left)."""
     engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy=policy, probe_every=2)
     assert engine.drafter is None and engine.lookup is not None
-    absorbed = []
-    absorb = engine._absorb
+    absorbed, drafts = [], []
+    absorb, draft = engine._absorb, engine.lookup.draft
 
     def record(step, critical):
         absorbed.append((step.kind, step.tree_size, critical))
         absorb(step, critical)
 
-    engine._absorb = record
+    def count(rows, relay, n):
+        drafts.append(n)
+        return draft(rows, relay, n)
+
+    engine._absorb, engine.lookup.draft = record, count
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert_all_free(engine)
+    assert 1 <= len(drafts) <= engine.stats.prefill_steps + len(prompts) < engine.stats.decode_steps
     decode = [(size, critical) for kind, size, critical in absorbed if kind == "decode"]
     assert not any(critical for _, critical in decode[:-1])
     assert any(size > 1 for size, _ in decode)

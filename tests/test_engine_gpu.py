@@ -7,6 +7,8 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 * Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
   drafts (prompt lookup, on the host or the device) and branching trie trees: each tree node reads
   its path at the positions plain decoding gives it once accepted.
+* Captured steps draft the device drafter's next chains in their graphs, as eager steps do after
+  the step.
 * After warm-up, a run with graphs makes no hidden host sync.
 """
 
@@ -74,6 +76,21 @@ def test_graphs_replay_the_eager_forward(backend, prompts, alone):
         assert engine.graphs.prefill_sizes == ([32, 64] if alone else [])
         _, eager = _run(model, prompts, alone, spec_nodes=spec_nodes, graphs=False)
         assert with_graphs == eager
+
+
+@gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+def test_captured_steps_draft_what_eager_steps_draft(backend, prompts, alone):
+    """With the device drafter, a captured step drafts the next step's chains inside its graph; the
+    eager steps draft them after the step. In the batch-invariant mode both give the same tokens,
+    so the same drafts must be accepted at the same steps."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    runs = {}
+    for graphs in (True, False):
+        engine, ids = _run(model, prompts, alone, spec_nodes=8, drafter="device", graphs=graphs)
+        runs[graphs] = (ids, engine.stats.decode_steps, engine.stats.decode_tokens)
+    assert runs[True] == runs[False]
+    assert runs[True][2] > runs[True][1], "the prompts must accept drafts for this test to cover speculation"
 
 
 @gpu

@@ -13,6 +13,8 @@ import torch
 from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket
 from ngram_hal.engine.model import ForwardBatch, LlamaModel
 from ngram_hal.reference import CpuBackend
+from ngram_hal.speculative.lookup import DeviceDrafter
+from ngram_hal.speculative.relay import OverlapRelay
 from ngram_hal.speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
 from test_model import TINY
 
@@ -77,6 +79,41 @@ def test_padded_greedy_step_commits_what_the_op_by_op_step_does(nodes, padded):
     # Row S is the scratch row where writes aimed at -1 land; every data row must match.
     assert torch.equal(kv.k[:, :-1], ref_kv.k[:, :-1]) and torch.equal(kv.v[:, :-1], ref_kv.v[:, :-1]), \
         "padding changed the cache"
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_greedy_step_with_a_drafter_records_and_drafts_the_next_chains(nodes):
+    """With a device drafter the step's trees are chains (it commits what the op-by-op step with
+    chain masks commits), and the step ends by recording its committed tokens and drafting the
+    next chains, as a separate draft of its relay would; the padding request, which points at
+    row 0, records nothing there."""
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, rows, seq_lens = _state(model)
+    drafter, separate = (DeviceDrafter(CpuBackend(), *table.shape, num_nodes=4) for _ in range(2))
+    for d in (drafter, separate):
+        d.table[0] = -5  # row 0, no request's: a padding write would show
+        d.add_prompts(rows, seq_lens, torch.tensor([t for p in PROMPTS for t in p]))
+    # The prefill's first tokens: 7 after the first prompt (which holds "7 ..." to copy), 8 after the second.
+    first = OverlapRelay(torch.tensor([7, 8]), torch.ones(2, dtype=I64), seq_lens, 1)
+    chains = separate.draft(rows, first, nodes)
+    drafter.table.copy_(separate.table)
+    before = drafter.table.clone()
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = _op_by_op(model, ref_kv, table, rows, seq_lens, chains, separate.chain_masks(2, nodes), nodes)
+
+    step = GreedyStep(model, kv, table, 3, nodes, drafter)
+    step.run()  # what capture runs first: no request, so no write
+    assert torch.equal(drafter.table, before)
+    step.load(chains.view(2, nodes), None, rows, seq_lens)
+    step.run()
+    got = step.result(2)
+    for name in ("accept_tokens", "accept_lens", "new_seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(drafter.chains_ahead(2, 4).reshape(-1), separate.draft(rows, got, 4))
+    assert torch.equal(drafter.table, separate.table) and torch.equal(drafter.table[0], before[0])
 
 
 def test_dummy_run_writes_nothing():

@@ -61,9 +61,21 @@ def test_last_tokens(relay):
     assert OverlapRelay.empty(4, "cpu").last_tokens().shape == (0,)
 
 
-def test_merge_needs_same_num_nodes(relay):
-    with pytest.raises(ContractError, match="num_nodes 2 differs"):
-        relay.merge(_relay([[1, 2]], [2], [5]))
+def test_merge_widens_the_narrower_stride(relay):
+    narrow = _relay([[1, 2]], [2], [5])
+    assert _rows(relay.merge(narrow)) == ([[5, 6, -1], [7, -1, -1], [8, 9, 10], [1, 2, -1]], [2, 1, 3, 2],
+                                          [12, 4, 30, 5])
+    first = narrow.merge(relay)
+    assert first.num_nodes == 3 and _rows(first)[0][0] == [1, 2, -1]
+    assert first.last_tokens().tolist() == [2, 6, 7, 10]
+    assert _rows(narrow) == ([[1, 2]], [2], [5]), "merge leaves both relays as they were"
+
+
+def test_widen_and_bad_arguments(relay):
+    assert relay.widen(3) is relay
+    assert _rows(relay.widen(4))[0][1] == [7, -1, -1, -1]
+    with pytest.raises(ContractError, match="num_nodes"):
+        relay.widen(2)
     with pytest.raises(ContractError, match="other"):
         relay.merge("not a relay")
 

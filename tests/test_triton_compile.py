@@ -80,10 +80,12 @@ for norm, glu, add in ((False, False, False), (True, False, False), (True, True,
         dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, M="i32", N="i32", K="i32", eps="fp32"),
         dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NORM_BLOCK=1024, IEEE=False,
              UPCAST=False), 4)
-KERNELS["lookup"] = ("gpu.lookup", "_lookup_kernel",
-                     dict(table_ptr=I64P, rows_ptr=I64P, tokens_ptr=I64P, lens_ptr=I64P, seq_lens_ptr=I64P,
-                          out_ptr=I64P, W="i32", stride="i32", n="i32"),
-                     dict(MAX_NGRAM=8, MIN_NGRAM=1, BLOCK=512, BLOCK_S=16, BLOCK_N=16), 4)
+for live in (False, True):
+    KERNELS[f"lookup live {live}"] = (
+        "gpu.lookup", "_lookup_kernel",
+        dict(table_ptr=I64P, rows_ptr=I64P, tokens_ptr=I64P, lens_ptr=I64P, seq_lens_ptr=I64P, live_ptr=I64P,
+             out_ptr=I64P, W="i32", stride="i32", n="i32"),
+        dict(MAX_NGRAM=8, MIN_NGRAM=1, BLOCK=512, BLOCK_S=16, BLOCK_N=16, HAS_LIVE=live), 4)
 DIVISIBLE_BY_16 = {"row_len", "layer_stride"}
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 

@@ -25,9 +25,12 @@ only in that event's ``synchronize()``. One call of :meth:`Engine.step`:
   that the ``auto`` policy runs with one node drafts nothing, so it is launched as without
   speculation, before the host waits for step t.
 * with speculation drafted on the device (``drafter="device"``,
-  :class:`~ngram_hal.speculative.lookup.DeviceDrafter`): the drafter records step t's tokens from
-  the relay and drafts step t+1's chains on the device, so step t+1 is enqueued before the host
-  waits for step t, as without speculation.
+  :class:`~ngram_hal.speculative.lookup.DeviceDrafter`): step t ends by recording its committed
+  tokens in the drafter's token table and drafting chains of D for step t+1 (inside step t's
+  graph where steps are captured), so step t+1 is enqueued before the host waits for step t, as
+  without speculation, and takes the first n nodes of those chains with no launch of its own.
+  Where the batch changed in between (a prefill joined, a request left), step t+1 records and
+  drafts in a launch of its own first.
 
 A request that turns out to have finished at step t may already be in step t+1; its results
 there are dropped. On the CPU the device runs eagerly inside the launch, so the loop has the same
@@ -184,7 +187,7 @@ class Engine:
                                self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens)
         self.lookup = None
         if drafter is None and self.num_nodes > 1 and self.config.drafter == "device":
-            self.lookup = DeviceDrafter(self.backend, *self.sched.req_to_token.shape)
+            self.lookup = DeviceDrafter(self.backend, *self.sched.req_to_token.shape, num_nodes=self.num_nodes)
         self.drafter = drafter if drafter is not None else (
             make_drafter(self.config.drafter) if self.num_nodes > 1 and self.lookup is None else None)
         if self.drafter is not None:
@@ -195,11 +198,13 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.graphs = None
         if self.config.graphs and self.backend.runtime.graph_capture and not self.backend.strict:
-            self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, self.config.max_running)
+            self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, self.config.max_running, self.lookup)
             # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
             self.graphs.capture_all(tree_sizes(self.num_nodes))
         self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
-        self.relay = OverlapRelay.empty(self.num_nodes, self.device)
+        self.relay = OverlapRelay.empty(1, self.device)
+        # The relay whose requests the device drafter's next chains were drafted for (in its order).
+        self._chains_for: OverlapRelay | None = None
         self._last_done: tuple[str, float] | None = None
         self._last_end = None
         self.inflight: InflightStep | None = None
@@ -404,7 +409,7 @@ class Engine:
     def _launch_prefill(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
         begin = self._begin()
-        up, be, D = self.transfer.upload, self.backend, self.num_nodes
+        up, be = self.transfer.upload, self.backend
         lens = [len(r.prompt_ids) for r in reqs]
         B, N = len(reqs), sum(lens)
         rows, lens_dev = up([r.row for r in reqs]), up(lens)
@@ -426,22 +431,17 @@ class Engine:
             tokens = logits.argmax(-1)
         else:
             tokens = sample_from_probs(sampling.probs(logits), up(draw_uniforms([r.generator for r in reqs], 1)[:, 0]))
-        accept = torch.full((B, D), -1, dtype=torch.int64, device=self.device)
-        accept[:, 0] = tokens
-        relay = OverlapRelay(accept.view(-1), torch.ones(B, dtype=torch.int64, device=self.device), lens_dev, D)
+        relay = OverlapRelay(tokens, torch.ones(B, dtype=torch.int64, device=self.device), lens_dev, 1)
         self.relay = self.relay.merge(relay)
         logprobs = None
         if any(r.params.logprobs for r in reqs):
-            logprobs = torch.zeros((B, D), dtype=torch.float32, device=self.device)
-            logprobs[:, 0] = token_logprobs(logits, tokens)
-            logprobs = logprobs.view(-1)
+            logprobs = token_logprobs(logits, tokens)
         for r, n in zip(reqs, lens):
             r.seq_len = n
             r.inflight += 1
         self.stats.prefill_steps += 1
         if self.lookup is not None:
-            width = self.sched.req_to_token.shape[1]
-            self.lookup.add_prompts(up([r.row * width + p for r, n in zip(reqs, lens) for p in range(n)]), input_ids)
+            self.lookup.add_prompts(rows, lens_dev, input_ids)
         step = self._ship("prefill", reqs, relay, logprobs, start, begin)
         if self.drafter is not None:
             # The prompts go into the drafter while the device runs the prefill (a large batch of
@@ -474,8 +474,10 @@ class Engine:
         seq_lens = relay.new_seq_lens
         rows = up([r.row for r in reqs])
         if self.lookup is not None:
-            tokens = self.lookup.draft(rows, relay, n)
-            tree_mask = self.lookup.chain_masks(B, n)
+            # The chains the previous step drafted for this very batch, or a launch that drafts them.
+            tokens = (self.lookup.chains_ahead(B, n) if self._chains_for is relay
+                      else self.lookup.draft(rows, relay, n))
+            tree_mask = None
         elif n > 1:
             drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
             tokens = torch.cat([relay.last_tokens().unsqueeze(1), drafts], dim=1).view(-1)
@@ -487,10 +489,17 @@ class Engine:
         want_logprobs = any(r.params.logprobs for r in reqs)
         logprobs = None
         if self.graphs is not None and greedy and not want_logprobs:
+            # With the device drafter, the captured step drafts the next step's chains too.
             result = self.graphs.greedy_step(tokens, tree_mask if n > 1 else None, rows, seq_lens, n)
         else:
+            if self.lookup is not None:
+                tokens, tree_mask = tokens.contiguous().view(-1), self.lookup.chain_masks(B, n)
             result, logprobs = self._verify_step(reqs, tokens, tree_mask, rows, seq_lens, n, max(bounds) + n)
-        self.relay = result if n == D else self._widen(result)
+            if self.lookup is not None:
+                self.lookup.draft_next(rows, result)
+        self.relay = result
+        if self.lookup is not None:
+            self._chains_for = result
         for r in reqs:
             r.inflight += 1
         self.stats.decode_steps += 1
@@ -530,13 +539,6 @@ class Engine:
             index = out.accept_index.view(-1)
             logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
         return result, logprobs
-
-    def _widen(self, relay: OverlapRelay) -> OverlapRelay:
-        """The relay of a step run with fewer nodes, laid out with the engine's stride D."""
-        B, n = relay.batch_size, relay.num_nodes
-        tokens = torch.full((B, self.num_nodes), -1, dtype=torch.int64, device=self.device)
-        tokens[:, :n] = relay.accept_tokens.view(B, n)
-        return OverlapRelay(tokens.view(-1), relay.accept_lens, relay.new_seq_lens, self.num_nodes)
 
     def _ship(self, kind: str, reqs: list[Request], relay: OverlapRelay, logprobs: torch.Tensor | None,
               start: float, begin) -> InflightStep:

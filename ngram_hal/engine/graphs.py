@@ -12,6 +12,9 @@ Two kinds of graph:
   locations, the model forward, greedy verify and the KV compaction, about ten launches of the
   HAL's ops and the model's few hundred kernels in one replay. Padding requests store no K/V (their
   cache locations are forced to -1), so every move they produce has a -1 source and does nothing.
+  With a device drafter the step also records its committed tokens and drafts the next step's
+  chains (:meth:`~ngram_hal.speculative.lookup.DeviceDrafter.draft_next`; the padding records
+  nothing), and its tree masks are fixed chains.
 * a **forward** (:meth:`StepGraphs.forward`): the model forward alone, for steps that sample or
   want log-probabilities; padding requests read no keys (``kv_len`` 0) and store no K/V.
 * a **prefill** of one request (:class:`PaddedPrefill`), padded to a length bucket
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.kv_cache import KVCache
+from ..speculative.lookup import DeviceDrafter
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
 from .model import ForwardBatch, LlamaModel
@@ -53,6 +57,11 @@ def _index(n: int, fill: int, device) -> torch.Tensor:
 def _identity_masks(padded: int, nodes: int, device) -> torch.Tensor:
     """A static bool[padded, nodes, nodes] tree-mask buffer holding identities (trees of roots)."""
     return torch.eye(nodes, dtype=torch.bool, device=device).expand(padded, nodes, nodes).contiguous()
+
+
+def _chain_masks(padded: int, nodes: int, device) -> torch.Tensor:
+    """A static bool[padded, nodes, nodes] tree-mask buffer holding chains (node i the child of i-1)."""
+    return torch.ones((nodes, nodes), dtype=torch.bool, device=device).tril().expand(padded, nodes, nodes).contiguous()
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -105,29 +114,33 @@ class GreedyStep:
 
     :meth:`load` copies a step's inputs in (the first B requests; the rest are padding) and
     :meth:`run` computes it; :meth:`result` is the relay of the B real requests. A captured graph
-    replays :meth:`run` over the same buffers.
+    replays :meth:`run` over the same buffers. With a ``drafter`` (a
+    :class:`~ngram_hal.speculative.lookup.DeviceDrafter`) every tree is a chain and :meth:`run`
+    ends by drafting the next step's chains.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, nodes: int):
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, nodes: int,
+                 drafter: DeviceDrafter | None = None):
         self.model, self.kv, self.req_to_token = model, kv, req_to_token
-        self.padded, self.nodes = padded, nodes
+        self.padded, self.nodes, self.drafter = padded, nodes, drafter
         dev = model.device
         self.tokens = _index(padded * nodes, 0, dev)
         self.rows = _index(padded, 0, dev)
         self.seq_lens = _index(padded, 0, dev)
         self.count = _index(1, 0, dev)
         self.q_lens = _index(padded, nodes, dev)
-        self.tree_mask = _identity_masks(padded, nodes, dev)
+        self.tree_mask = (_identity_masks if drafter is None else _chain_masks)(padded, nodes, dev)
         self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def load(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
              seq_lens: torch.Tensor) -> None:
-        """Copy in a step of B requests: tokens int64[B*n], tree_mask bool[B, n, n] (None when
-        ``nodes == 1``), rows and seq_lens int64[B]."""
+        """Copy in a step of B requests: tokens int64[B*n] or [B, n] (a view will do), tree_mask
+        bool[B, n, n] (None when ``nodes == 1``, and with a drafter, whose trees are chains), rows
+        and seq_lens int64[B]."""
         B = rows.shape[0]
-        self.tokens[:B * self.nodes].copy_(tokens)
-        if self.nodes > 1:
+        self.tokens[:B * self.nodes].view(B, self.nodes).copy_(tokens.view(B, self.nodes))
+        if self.nodes > 1 and self.drafter is None:
             self.tree_mask[:B].copy_(tree_mask)
         self.rows[:B].copy_(rows)
         self.seq_lens[:B].copy_(seq_lens)
@@ -147,6 +160,8 @@ class GreedyStep:
                              tree_mask=self.tree_mask if n > 1 else None, max_kv_len=r2t.shape[1])
         logits = self.model.forward(batch, self.kv)
         relay = commit(be, self.kv, verify_greedy(be, tree, logits), locs, r2t, self.rows, self.seq_lens)
+        if self.drafter is not None:
+            self.drafter.draft_next(self.rows, relay, self.count)
         self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)
         return self.outputs
 
@@ -173,15 +188,19 @@ class StepGraphs:
         kv: the KV cache the steps write.
         req_to_token: the request table every step reads (int64[R, M]; M bounds ``kv_lens``).
         max_batch: the most requests one step holds.
+        drafter: a :class:`~ngram_hal.speculative.lookup.DeviceDrafter` whose next chains every
+            greedy step drafts, or None.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, max_batch: int):
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, max_batch: int,
+                 drafter: DeviceDrafter | None = None):
         runtime = model.backend.runtime
         if not runtime.graph_capture:
             raise ValueError(f"graph capture is not available on {model.device}")
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
+        self.drafter = drafter
         self.runtime = runtime
         self.buckets = batch_buckets(max_batch)
         self.pool = runtime.new_graph_pool()
@@ -273,7 +292,7 @@ class StepGraphs:
         key = (padded, nodes)
         found = self._steps.get(key)
         if found is None:
-            step = GreedyStep(self.model, self.kv, self.req_to_token, padded, nodes)
+            step = GreedyStep(self.model, self.kv, self.req_to_token, padded, nodes, self.drafter)
             graph, _ = self._capture(step.run)
             found = self._steps[key] = (step, graph)
         return found

@@ -27,7 +27,8 @@ from .relay import OverlapRelay
 
 
 def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
-                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int
+                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int,
+                           live: torch.Tensor | None = None, out: torch.Tensor | None = None
                            ) -> tuple[int, int, int, int]:
     """Check the arguments of :func:`record_and_draft` (either implementation) from their metadata
     alone; ``(B, W, S, n)``. A wrong one raises ``ContractError`` naming it."""
@@ -40,12 +41,17 @@ def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, acc
     if B and total % B:
         raise c.ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
     n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
+    if live is not None:
+        c.check_index(op, "live", live, dev, shape=(1,))
+    if out is not None:
+        c.check_index(op, "out", out, dev, shape=(B * n,))
     return B, W, total // B if B else 1, n
 
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
-                     min_ngram: int) -> torch.Tensor:
+                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Record a step's committed tokens in ``table``, then draft a chain of ``num_nodes`` per request.
 
     Every tensor is int64 and contiguous on one device (checked by :func:`check_record_and_draft`);
@@ -60,11 +66,15 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
             tokens sit at positions ``new_seq_lens - accept_lens + 1 ...``; the last one, at
             ``new_seq_lens`` (below W), is the root of the next draft.
         num_nodes: n, nodes per chain (the root included).
+        live: int64[1] or None: only the first ``live[0]`` requests are real; the others are
+            padding (a captured step's), which records nothing and whose chains are unspecified.
+            None: all B are real.
+        out: int64[B*n] or None: where the chains go (None: a new tensor).
     Returns:
-        int64[B*n]: request b's chain at ``b*n``, its root first.
+        int64[B*n]: request b's chain at ``b*n``, its root first (``out`` where given).
     """
     B, W, stride, num_nodes = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens,
-                                                     accept_lens, new_seq_lens, num_nodes)
+                                                     accept_lens, new_seq_lens, num_nodes, live, out)
     j = torch.arange(stride, dtype=torch.int64, device=table.device)
     last = new_seq_lens.clamp(max=W - 1).unsqueeze(1)
     committed = accept_tokens.view(B, stride)
@@ -72,6 +82,12 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     keep = j < accept_lens.unsqueeze(1)
     pos = torch.where(keep, last - accept_lens.unsqueeze(1) + 1 + j, last)
     values = torch.where(keep, committed, committed.gather(1, (accept_lens - 1).clamp(min=0).unsqueeze(1)))
+    if live is not None:
+        # Padding rewrites position 0 of its row with what is there; a real request's committed
+        # tokens never reach position 0 (its prompt holds it), so no two writes collide.
+        real = (torch.arange(B, device=table.device) < live).unsqueeze(1)
+        pos = torch.where(real, pos, 0)
+        values = torch.where(real, values, table.index_select(0, rows)[:, :1])
     table.view(-1).scatter_(0, (rows.unsqueeze(1) * W + pos).view(-1), values.view(-1))
     ctx = table.index_select(0, rows)
     root = ctx.gather(1, last)
@@ -92,29 +108,41 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     i = torch.arange(num_nodes - 1, dtype=torch.int64, device=table.device).unsqueeze(0)
     copied = ctx.gather(1, (end + 1 + i % period).clamp(max=W - 1))
     chain = torch.where(found, copied, root)
-    return torch.cat([root, chain], dim=1).view(-1)
+    chains = torch.cat([root, chain], dim=1).view(-1)
+    return chains if out is None else out.copy_(chains)
 
 
 class DeviceDrafter:
     """Chains of prompt lookup drafted on the device (see the module docstring).
 
+    Two ways to draft. :meth:`draft` records a relay and drafts the chains of the step about to
+    run. :meth:`draft_next` records a step's relay as part of that step (a captured step's graph
+    includes it) and drafts the *next* step's chains of ``num_nodes`` into :attr:`next_chains`; if
+    the next step runs the same requests in the same order, it takes the first n nodes of each
+    (the first n nodes of a chain are the chain of n) with no launch of its own
+    (:meth:`chains_ahead`).
+
     Args:
         backend: runs the drafting (its ``model_kernels`` picks the Triton kernel or torch).
         num_rows, width: the token table's shape, the request table's: R request-pool rows of W
             positions.
+        num_nodes: D, the longest chain a step takes from :attr:`next_chains`.
         max_ngram, min_ngram: the longest and shortest suffix matched.
     """
 
-    def __init__(self, backend: Backend, num_rows: int, width: int, max_ngram: int = 8, min_ngram: int = 1):
+    def __init__(self, backend: Backend, num_rows: int, width: int, num_nodes: int = 1, max_ngram: int = 8,
+                 min_ngram: int = 1):
         op = "DeviceDrafter"
         c.check_int(op, "num_rows", num_rows, minimum=1)
         c.check_int(op, "width", width, minimum=2)
+        self.num_nodes = c.check_int(op, "num_nodes", num_nodes, minimum=1)
         self.max_ngram = c.check_int(op, "max_ngram", max_ngram, minimum=1)
         self.min_ngram = c.check_int(op, "min_ngram", min_ngram, minimum=1)
         if min_ngram > max_ngram:
             raise c.ContractError(op, "min_ngram", f"expected <= max_ngram ({max_ngram}), got {min_ngram}")
         self.device = backend.device
         self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
+        self.next_chains = torch.zeros((num_rows, num_nodes), dtype=torch.int64, device=self.device)
         self._kernel = None
         if getattr(backend, "model_kernels", "torch") == "triton":
             from ..kernels.gpu import lookup
@@ -122,12 +150,23 @@ class DeviceDrafter:
             self._kernel = lookup.record_and_draft
         self._chains: dict[int, torch.Tensor] = {}
 
-    def add_prompts(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Record prompts: ``table.view(-1)[index] = tokens`` (int64[N] each, on the device;
-        ``index`` is ``row * W + position``)."""
+    def add_prompts(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record prompts, each from position 0 of its row: request b's ``lens[b]`` tokens follow
+        the tokens of the requests before it in ``tokens``.
+
+        Args:
+            rows: int64[B], the requests' rows; lens: int64[B], their prompt lengths, which must
+                sum to N (not read on the host).
+            tokens: int64[N], the prompts one after another.
+        """
         op = "DeviceDrafter.add_prompts"
-        N = c.check_index(op, "index", index, self.device, ndim=1).shape[0]
-        c.check_index(op, "tokens", tokens, self.device, shape=(N,))
+        B = c.check_index(op, "rows", rows, self.device, ndim=1).shape[0]
+        c.check_index(op, "lens", lens, self.device, shape=(B,))
+        N = c.check_index(op, "tokens", tokens, self.device, ndim=1).shape[0]
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(N, dtype=torch.int64, device=self.device) - starts.repeat_interleave(
+            lens, output_size=N)
+        index = rows.repeat_interleave(lens, output_size=N) * self.table.shape[1] + positions
         self.table.view(-1).index_copy_(0, index, tokens)
 
     def draft(self, rows: torch.Tensor, relay: OverlapRelay, num_nodes: int) -> torch.Tensor:
@@ -145,6 +184,32 @@ class DeviceDrafter:
         impl = self._kernel or record_and_draft
         return impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, num_nodes,
                     self.max_ngram, self.min_ngram)
+
+    def draft_next(self, rows: torch.Tensor, relay: OverlapRelay, live: torch.Tensor | None = None) -> None:
+        """Record ``relay``'s committed tokens and draft each request's next chain of D nodes into
+        ``next_chains[:B]``; launches only, no host sync (a captured step may include it).
+
+        Args:
+            rows: int64[B], the relay's requests' rows, in relay order (B <= num_rows).
+            relay: the results of the step that just ran.
+            live: int64[1] or None: in a padded step, the number of real requests (the first
+                ones; the padding records nothing). None: all B are real.
+        """
+        B = rows.shape[0]
+        if B > self.next_chains.shape[0]:
+            raise c.ContractError("DeviceDrafter.draft_next", "rows",
+                                  f"{B} requests exceed the {self.next_chains.shape[0]} rows of next_chains")
+        impl = self._kernel or record_and_draft
+        impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.num_nodes,
+             self.max_ngram, self.min_ngram, live, self.next_chains[:B].view(-1))
+
+    def chains_ahead(self, batch_size: int, num_nodes: int) -> torch.Tensor:
+        """int64[B, n], a view: the first n nodes of the chains :meth:`draft_next` drafted for the
+        first B requests (valid while the next step runs the requests that step ran, in order)."""
+        if not 1 <= num_nodes <= self.num_nodes:
+            raise c.ContractError("DeviceDrafter.chains_ahead", "num_nodes",
+                                  f"expected 1 to {self.num_nodes}, got {num_nodes}")
+        return self.next_chains[:batch_size, :num_nodes]
 
     def chain_masks(self, batch_size: int, num_nodes: int) -> torch.Tensor:
         """bool[B, n, n]: the tree masks of B chains (node i the child of node i-1); cached."""

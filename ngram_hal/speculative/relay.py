@@ -3,7 +3,10 @@
 While the device verifies step t, the host already schedules step t+1, so the results of step t
 (committed tokens, their counts, the new lengths) stay on the device in an :class:`OverlapRelay`.
 Continuous batching reshapes it with :meth:`OverlapRelay.filter` (finished requests leave) and
-:meth:`OverlapRelay.merge` (batches join). Nothing here reads device data on the host.
+:meth:`OverlapRelay.merge` (batches join). A relay's stride is the tree size of the step that
+produced it (D for a full verify step, fewer for a step the ``auto`` policy ran smaller, 1 for a
+prefill); merging relays of different strides widens the narrower one. Nothing here reads device
+data on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class OverlapRelay:
             ``j < accept_lens[b]``, -1 elsewhere.
         accept_lens: int64[B], tokens committed per request (accepted drafts + 1 bonus).
         new_seq_lens: int64[B], each request's length after the step.
-        num_nodes: D, draft-tree nodes per request (a host int).
+        num_nodes: D, the stride of ``accept_tokens``: the draft-tree nodes per request of the
+            step that produced the relay (a host int).
     """
 
     accept_tokens: torch.Tensor
@@ -70,16 +74,27 @@ class OverlapRelay:
         return OverlapRelay(tokens.reshape(-1), self.accept_lens.index_select(0, keep),
                             self.new_seq_lens.index_select(0, keep), self.num_nodes)
 
+    def widen(self, num_nodes: int) -> "OverlapRelay":
+        """The same results laid out with the larger stride ``num_nodes`` (-1 padded); this relay
+        itself where the stride is already ``num_nodes``."""
+        D = c.check_int("OverlapRelay.widen", "num_nodes", num_nodes, minimum=self.num_nodes)
+        if D == self.num_nodes:
+            return self
+        B = self.batch_size
+        tokens = torch.full((B, D), -1, dtype=torch.int64, device=self.device)
+        tokens[:, :self.num_nodes] = self.accept_tokens.view(B, self.num_nodes)
+        return OverlapRelay(tokens.view(-1), self.accept_lens, self.new_seq_lens, D)
+
     def merge(self, other: "OverlapRelay") -> "OverlapRelay":
-        """This relay's requests followed by ``other``'s; both need the same D and device."""
+        """This relay's requests followed by ``other``'s, with the larger of the two strides; both
+        need the same device."""
         op = "OverlapRelay.merge"
         if not isinstance(other, OverlapRelay):
             raise c.ContractError(op, "other", f"expected an OverlapRelay, got {type(other).__name__}")
-        if other.num_nodes != self.num_nodes:
-            raise c.ContractError(op, "other",
-                                  f"num_nodes {other.num_nodes} differs from this relay's {self.num_nodes}")
         if not c.same_device(other.device, self.device):
             raise c.ContractError(op, "other", f"expected a relay on {self.device}, got one on {other.device}")
-        return OverlapRelay(torch.cat([self.accept_tokens, other.accept_tokens]),
-                            torch.cat([self.accept_lens, other.accept_lens]),
-                            torch.cat([self.new_seq_lens, other.new_seq_lens]), self.num_nodes)
+        D = max(self.num_nodes, other.num_nodes)
+        mine, theirs = self.widen(D), other.widen(D)
+        return OverlapRelay(torch.cat([mine.accept_tokens, theirs.accept_tokens]),
+                            torch.cat([mine.accept_lens, theirs.accept_lens]),
+                            torch.cat([mine.new_seq_lens, theirs.new_seq_lens]), D)

@@ -18,13 +18,18 @@ SCAN_BLOCK = 512
 
 
 @triton.jit(do_not_specialize=["W", "stride", "n"])
-def _lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, out_ptr, W, stride, n,
+def _lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, live_ptr, out_ptr, W, stride, n,
                    MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIVE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     base = table_ptr + tl.load(rows_ptr + b) * W
     count = tl.load(lens_ptr + b)
     last = tl.minimum(tl.load(seq_lens_ptr + b), W - 1)
+    if HAS_LIVE:
+        # A padding request (at or past the live count) records nothing and scans nothing.
+        live = b < tl.load(live_ptr)
+        count = tl.where(live, count, 0)
+        last = tl.where(live, last, 0)
     j = tl.arange(0, BLOCK_S)
     new = (j < count) & (j < stride)
     tl.store(base + last - count + 1 + j, tl.load(tokens_ptr + b * stride + j, mask=new), mask=new)
@@ -53,16 +58,18 @@ def _lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, out_
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
-                     min_ngram: int) -> torch.Tensor:
+                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """The Triton implementation of :func:`ngram_hal.speculative.lookup.record_and_draft` (same
     arguments, checks and result)."""
     B, W, stride, n = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens, accept_lens,
-                                             new_seq_lens, num_nodes)
-    out = torch.empty(B * n, dtype=torch.int64, device=table.device)
+                                             new_seq_lens, num_nodes, live, out)
+    if out is None:
+        out = torch.empty(B * n, dtype=torch.int64, device=table.device)
     if B:
-        _lookup_kernel[(B,)](table, rows, accept_tokens, accept_lens, new_seq_lens, out, W, stride, n,
-                             MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK,
+        _lookup_kernel[(B,)](table, rows, accept_tokens, accept_lens, new_seq_lens, out if live is None else live,
+                             out, W, stride, n, MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK,
                              BLOCK_S=max(16, triton.next_power_of_2(stride)),
-                             BLOCK_N=max(16, triton.next_power_of_2(n)),
+                             BLOCK_N=max(16, triton.next_power_of_2(n)), HAS_LIVE=live is not None,
                              num_warps=4)
     return out

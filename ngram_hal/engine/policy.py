@@ -12,6 +12,11 @@ committed): a batch is done when its slowest request is, so a size that makes ev
 pays only when it speeds up all of the batch, not just its copy-heavy requests. (With one
 request that is simply its tokens per step.)
 
+A size counts as faster only by a margin: the best size is the smallest whose rate is within
+``margin`` (5%) of the highest. Where the host sets the pace (large batches), every size's time
+per step is about the same and their rates differ by timing noise; without the margin the choice
+would wander to larger trees that commit no more and cost the device more.
+
 It searches locally, from the plain step up: it starts at size 1 and tries the next larger size
 once the best size is known, climbing while each size beats the one below it, so a batch where
 speculation loses pays for one trial of size 2, not of every size. Every so often it runs one
@@ -73,14 +78,19 @@ class SpecPolicy:
             default ``8 * probe_every``.
         decay: weight of the past in the moving average of the tokens per step.
         window: steps of each size whose median time is its time per step.
+        margin: how much faster than every smaller size a size must be estimated to be chosen
+            (0.05: 5%).
     """
 
     def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, decay: float = 0.7,
-                 max_probe_every: int | None = None, window: int = 5):
+                 max_probe_every: int | None = None, window: int = 5, margin: float = 0.05):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
+        if not margin >= 0:
+            raise ValueError(f"margin: expected a number >= 0, got {margin!r}")
         self.num_nodes = num_nodes
         self.mode = mode
+        self.margin = margin
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every if max_probe_every is not None else 8 * probe_every)
         self._gap = probe_every
@@ -108,7 +118,8 @@ class SpecPolicy:
         measured = [n for n in self.sizes if self.rate(n) is not None]
         if not measured:
             return self.sizes[0], None, False
-        best = max(measured, key=self.rate)
+        top = max(self.rate(n) for n in measured)
+        best = next(n for n in measured if self.rate(n) * (1 + self.margin) >= top)
         i = self.sizes.index(best)
         above = self.sizes[i + 1] if i + 1 < len(self.sizes) else None
         if above is not None and self.rate(above) is None:

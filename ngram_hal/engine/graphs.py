@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.kv_cache import KVCache
-from ..speculative.lookup import DeviceDrafter
+from ..speculative.lookup import DeviceDrafter, chain_masks
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
 from .model import ForwardBatch, LlamaModel
@@ -57,11 +57,6 @@ def _index(n: int, fill: int, device) -> torch.Tensor:
 def _identity_masks(padded: int, nodes: int, device) -> torch.Tensor:
     """A static bool[padded, nodes, nodes] tree-mask buffer holding identities (trees of roots)."""
     return torch.eye(nodes, dtype=torch.bool, device=device).expand(padded, nodes, nodes).contiguous()
-
-
-def _chain_masks(padded: int, nodes: int, device) -> torch.Tensor:
-    """A static bool[padded, nodes, nodes] tree-mask buffer holding chains (node i the child of i-1)."""
-    return torch.ones((nodes, nodes), dtype=torch.bool, device=device).tril().expand(padded, nodes, nodes).contiguous()
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -129,7 +124,7 @@ class GreedyStep:
         self.seq_lens = _index(padded, 0, dev)
         self.count = _index(1, 0, dev)
         self.q_lens = _index(padded, nodes, dev)
-        self.tree_mask = (_identity_masks if drafter is None else _chain_masks)(padded, nodes, dev)
+        self.tree_mask = (_identity_masks if drafter is None else chain_masks)(padded, nodes, dev)
         self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -87,7 +87,7 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
         # tokens never reach position 0 (its prompt holds it), so no two writes collide.
         real = (torch.arange(B, device=table.device) < live).unsqueeze(1)
         pos = torch.where(real, pos, 0)
-        values = torch.where(real, values, table.index_select(0, rows)[:, :1])
+        values = torch.where(real, values, table[:, 0].index_select(0, rows).unsqueeze(1))
     table.view(-1).scatter_(0, (rows.unsqueeze(1) * W + pos).view(-1), values.view(-1))
     ctx = table.index_select(0, rows)
     root = ctx.gather(1, last)
@@ -110,6 +110,12 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     chain = torch.where(found, copied, root)
     chains = torch.cat([root, chain], dim=1).view(-1)
     return chains if out is None else out.copy_(chains)
+
+
+def chain_masks(batch_size: int, num_nodes: int, device) -> torch.Tensor:
+    """bool[B, n, n], contiguous: the tree masks of B chains (node i the child of node i-1)."""
+    chain = torch.ones((num_nodes, num_nodes), dtype=torch.bool, device=device).tril()
+    return chain.expand(batch_size, num_nodes, num_nodes).contiguous()
 
 
 class DeviceDrafter:
@@ -215,7 +221,5 @@ class DeviceDrafter:
         """bool[B, n, n]: the tree masks of B chains (node i the child of node i-1); cached."""
         masks = self._chains.get(num_nodes)
         if masks is None or masks.shape[0] < batch_size:
-            chain = torch.ones((num_nodes, num_nodes), dtype=torch.bool, device=self.device).tril()
-            masks = chain.expand(max(batch_size, 1), num_nodes, num_nodes).contiguous()
-            self._chains[num_nodes] = masks
+            masks = self._chains[num_nodes] = chain_masks(max(batch_size, 1), num_nodes, self.device)
         return masks[:batch_size]

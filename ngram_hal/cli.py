@@ -7,7 +7,9 @@
 
 Every command reports a bad option, input file or environment the same way: ``error: ...`` on
 one line naming what was wrong and what is allowed, a non-zero exit code (2 for a bad option or
-input, 1 otherwise) and no traceback; ``--debug`` or ``NGRAM_HAL_DEBUG=1`` shows the traceback.
+input, 1 otherwise) and no traceback; ``--debug`` or ``NGRAM_HAL_DEBUG=1`` shows the traceback
+as well, with the same exit code. Report destinations are checked before anything runs, and
+reports are written atomically (:mod:`ngram_hal.files`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +32,7 @@ from rich.text import Text
 
 from . import matrix
 from .backend import OPS
+from .files import WriteError, check_writable, write_atomic
 from .options import POSITIVE_INT
 from .registry import list_backends
 
@@ -52,6 +56,25 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def check_destination(option: str, path: str | None) -> None:
+    """A :class:`CommandError` (exit code 2) naming ``option`` and ``path`` when a report could not
+    be written there; nothing when ``path`` is None. Made before the run the report is of."""
+    if path is not None:
+        try:
+            check_writable(path)
+        except WriteError as exc:
+            raise CommandError(f"{option} {exc}") from exc
+
+
+def write_output(option: str, path: str, data: str | bytes) -> None:
+    """Write the report ``data`` to ``path`` atomically; a :class:`CommandError` (exit code 1)
+    naming ``option`` and ``path`` when it cannot be written."""
+    try:
+        write_atomic(path, data)
+    except WriteError as exc:
+        raise CommandError(f"{option} {exc}", code=1) from exc
 
 
 def _yes_no(flag: bool | None) -> Text:
@@ -120,16 +143,21 @@ def _check_conformance_target(args: argparse.Namespace) -> None:
 
 
 def conformance_command(args: argparse.Namespace) -> int:
-    """Run the conformance suite on ``--backend`` through pytest; returns pytest's exit code."""
+    """Run the conformance suite on ``--backend`` through pytest; returns pytest's exit code.
+
+    pytest writes the JSON report and the JUnit XML into a temporary folder; they replace
+    ``--json`` and ``--junit`` (each atomically) after the run, so a run that produces no usable
+    report leaves what was there before.
+    """
     if importlib.util.find_spec(CONFORMANCE_PACKAGE) is None:
         raise CommandError("the conformance suite is not installed: pip install -e conformance", code=4)
     _check_conformance_target(args)
+    check_destination("--json", args.json)
+    check_destination("--junit", args.junit)
     import pytest
 
     with tempfile.TemporaryDirectory() as tmp:
-        report_path = Path(args.json) if args.json else Path(tmp) / "conformance.json"
-        report_path.parent.mkdir(parents=True, exist_ok=True)
-        report_path.unlink(missing_ok=True)
+        report_path, junit_path = Path(tmp) / "conformance.json", Path(tmp) / "junit.xml"
         argv = ["--pyargs", CONFORMANCE_PACKAGE, "--backend", args.backend, "--strict-mode", args.strict_mode,
                 "--report-json", str(report_path)]
         if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
@@ -139,8 +167,7 @@ def conformance_command(args: argparse.Namespace) -> int:
         if args.xfails:
             argv += ["--xfails-file", args.xfails]
         if args.junit:
-            Path(args.junit).parent.mkdir(parents=True, exist_ok=True)
-            argv += ["--junitxml", args.junit]
+            argv += ["--junitxml", str(junit_path)]
         if args.max_examples is not None:
             argv += ["--max-examples", str(args.max_examples)]
         if args.k:
@@ -149,8 +176,15 @@ def conformance_command(args: argparse.Namespace) -> int:
         try:
             report = matrix.load_report(report_path)
         except ValueError as exc:
-            print(f"error: no usable conformance report (pytest exit code {code}): {exc}", file=sys.stderr)
+            kept = [f"{option} {path}" for option, path in (("--json", args.json), ("--junit", args.junit)) if path]
+            print(f"error: no usable conformance report (pytest exit code {code}): {exc}"
+                  + (f"; {' and '.join(kept)} left as they were" if kept else ""), file=sys.stderr)
             return code or 1
+        outputs = [("--json", args.json, report_path), ("--junit", args.junit, junit_path)]
+        for option, path, written in outputs:
+            if path and written.is_file():
+                write_output(option, path, written.read_bytes())
+                print(f"wrote {path}", file=sys.stderr)
         if report.tests:
             _conformance_summary(report, Console())
         else:
@@ -160,18 +194,19 @@ def conformance_command(args: argparse.Namespace) -> int:
 
 def matrix_command(args: argparse.Namespace) -> int:
     """Merge conformance reports; write markdown/HTML, or print markdown when neither is asked."""
+    outputs = [(option, path, render) for option, path, render in
+               (("--markdown", args.markdown, matrix.to_markdown), ("--html", args.html, matrix.to_html)) if path]
+    for option, path, _ in outputs:
+        check_destination(option, path)
     try:
         merged = matrix.merge_files(args.reports)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     console = Console(stderr=True)
-    outputs = ((args.markdown, matrix.to_markdown), (args.html, matrix.to_html))
-    for path, render in outputs:
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(render(merged), encoding="utf-8")
-            console.print(f"wrote {path}")
-    if not (args.markdown or args.html):
+    for option, path, render in outputs:
+        write_output(option, path, render(merged))
+        console.print(f"wrote {path}", highlight=False, markup=False)
+    if not outputs:
         sys.stdout.write(matrix.to_markdown(merged))
     table = Table(title=f"matrix: {len(merged.rows)} tests x {len(merged.columns)} backends")
     table.add_column("backend")
@@ -247,26 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
 def report_errors(func, args: argparse.Namespace) -> int:
     """``func(args)``'s exit code, or an error reported in the command's style: ``error: ...`` on
     one line on stderr and the code of the :class:`CommandError` (130 when interrupted, 1 for
-    anything else), no traceback unless ``args.debug`` or ``NGRAM_HAL_DEBUG=1``."""
+    anything else). With ``args.debug`` or ``NGRAM_HAL_DEBUG=1`` the traceback comes before that
+    line; the exit code is the same."""
     debug = getattr(args, "debug", False) or env_flag(DEBUG_ENV)
     try:
         return int(func(args))
     except CommandError as exc:
-        if debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        error, message, code = exc, str(exc), exc.code
+    except KeyboardInterrupt as exc:
+        error, message, code = exc, "interrupted", 130
     except Exception as exc:  # anything unforeseen still gets one line; --debug shows where
-        if debug:
-            raise
-        print(f"error: {type(exc).__name__}: {error_line(exc)} (--debug or {DEBUG_ENV}=1 shows the traceback)",
-              file=sys.stderr)
-        return 1
+        error, message, code = exc, f"{type(exc).__name__}: {error_line(exc)}", 1
+        if not debug:
+            message += f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
+    if debug:
+        traceback.print_exception(error)
+    print(f"error: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

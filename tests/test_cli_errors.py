@@ -8,6 +8,7 @@ loaded, which is why nothing else is printed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -18,16 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from ngram_hal.cli import CommandError, main
+from ngram_hal.cli import CommandError, main, report_errors
 
 NGRAM_HAL = shutil.which("ngram-hal", path=str(Path(sys.executable).parent)) or shutil.which("ngram-hal")
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     assert NGRAM_HAL, "the ngram-hal console script is not installed"
     full_env = {k: v for k, v in os.environ.items() if k not in ("NGRAM_HAL_DEBUG", "NGRAM_HAL_BACKEND")}
     full_env.update({"COLUMNS": "80", **(env or {})})
-    return subprocess.run([NGRAM_HAL, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    return subprocess.run([NGRAM_HAL, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +111,41 @@ def test_more_mistakes_are_one_error_line(case, bad_prompts, capsys, monkeypatch
     check_one_error_line(code, captured.out, captured.err, message)
 
 
-def test_debug_env_shows_the_traceback():
+def test_debug_env_shows_the_traceback_and_keeps_the_exit_code():
     done = run_cli("run", "--backend", "nosuch", env={"NGRAM_HAL_DEBUG": "1"})
-    assert done.returncode != 0
+    assert done.returncode == 2, done.stderr
     assert "Traceback (most recent call last)" in done.stderr and "no backend named 'nosuch'" in done.stderr
+    assert done.stderr.splitlines()[-1].startswith("error: --backend nosuch: no backend named 'nosuch'")
 
 
-def test_debug_flag_raises_the_error_itself():
-    with pytest.raises(CommandError, match="no backend named 'nosuch'"):
-        main(["run", "--backend", "nosuch", "--debug"])
-    with pytest.raises(CommandError, match="--xfails"):
-        main(["--debug", "conformance", "--backend", "cpu", "--xfails", "/no/such/xfails.txt"])
+@pytest.mark.parametrize("argv", [["run", "--backend", "nosuch", "--debug"],
+                                  ["--debug", "conformance", "--backend", "cpu", "--xfails", "/no/such/xfails.txt"]],
+                         ids=["run", "conformance"])
+def test_debug_flag_shows_the_traceback_and_keeps_the_exit_code(argv, capsys, monkeypatch):
+    monkeypatch.delenv("NGRAM_HAL_DEBUG", raising=False)
+    monkeypatch.delenv("NGRAM_HAL_BACKEND", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "CommandError" in err
+    assert err.splitlines()[-1].startswith("error: --")
+
+
+def test_debug_keeps_the_exit_code_of_other_failures(capsys, monkeypatch):
+    def broken(args):
+        raise RuntimeError("disk on fire")
+
+    def mistaken(args):
+        raise CommandError("--x 1: at most 0")
+
+    monkeypatch.delenv("NGRAM_HAL_DEBUG", raising=False)
+    args = argparse.Namespace(debug=True)
+    assert report_errors(broken, args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.splitlines()[-1] == "error: RuntimeError: disk on fire"
+    args.debug = False
+    assert report_errors(broken, args) == 1
+    assert capsys.readouterr().err == ("error: RuntimeError: disk on fire "
+                                       "(--debug or NGRAM_HAL_DEBUG=1 shows the traceback)\n")
+    args.debug = True
+    assert report_errors(mistaken, args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: --x 1: at most 0"

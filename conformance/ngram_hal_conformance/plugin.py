@@ -14,6 +14,7 @@ Options (stable; the ``ngram-hal conformance`` command passes them through):
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SUITE_KEY] = Suite(config)
     path = config.getoption("report_json")
     if path:
+        from ngram_hal.files import WriteError, check_writable
+
+        try:
+            check_writable(path)
+        except WriteError as exc:
+            raise pytest.UsageError(f"--report-json {exc}") from None
         config.pluginmanager.register(ReportWriter(config, path), "ngram_hal_conformance.report_writer")
 
 
@@ -257,7 +264,11 @@ def reference(device):
 # ---------------------------------------------------------------- report
 
 class ReportWriter:
-    """Collects every test's outcome and writes the JSON report when the session ends."""
+    """Collects every test's outcome and writes the JSON report when the session ends.
+
+    The report replaces the file atomically. When it cannot be written, one ``error:`` line on
+    stderr names the path, and a session that had passed exits with pytest's internal-error code.
+    """
 
     def __init__(self, config: pytest.Config, path: str):
         self.config = config
@@ -272,6 +283,8 @@ class ReportWriter:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        from ngram_hal.files import WriteError
+
         from .report import build_report, collect_versions, write_report
 
         suite = self.config.stash[_SUITE_KEY]
@@ -290,4 +303,9 @@ class ReportWriter:
             strict_modes=list(suite.strict_modes),
             capabilities=capabilities.model_dump() if capabilities else None,
             tests=self.recorder.results())
-        write_report(report, self.path)
+        try:
+            write_report(report, self.path)
+        except WriteError as exc:
+            sys.stderr.write(f"error: --report-json {exc}\n")
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.INTERNAL_ERROR

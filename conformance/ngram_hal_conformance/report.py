@@ -102,11 +102,14 @@ def build_report(backend: str, target: str | None, proxy: bool | None, versions:
 
 
 def write_report(report: ConformanceReport, path: str | Path) -> Path:
-    """Write ``report`` as indented JSON (parent folders created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.model_dump_json(by_alias=True, indent=2) + "\n")
-    return path
+    """Write ``report`` as indented JSON, atomically (parent folders created); returns the path.
+
+    Raises:
+        ngram_hal.files.WriteError: the file cannot be written (the message names ``path``).
+    """
+    from ngram_hal.files import write_atomic  # here: importing ngram_hal imports torch
+
+    return write_atomic(path, report.model_dump_json(by_alias=True, indent=2) + "\n")
 
 
 def load_report(path: str | Path) -> ConformanceReport:

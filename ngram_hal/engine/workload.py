@@ -10,31 +10,75 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from rich.progress import Progress, TaskID
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ..options import validation_message
 from .engine import Engine, EngineStats
+from .progress import TokenProgress
 from .request import RequestOutput, SamplingParams
 
 SLICE_S = 0.25
 """Seconds of work an engine gets before the next one takes its turn."""
 
+MAX_LINE_BYTES = 2**20
+"""The most bytes one line of a prompts file may hold (1 MiB: far more than any context holds)."""
+MAX_JSON_DEPTH = 8
+"""The deepest nesting of brackets a prompts line may have (a prompt needs 3: line, messages, message)."""
+MESSAGE_KEYS = ("role", "content")
+"""The keys of one chat message, both required."""
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
 
 class PromptSpec(BaseModel):
-    """One line of a prompts file: chat turns and an optional output budget."""
+    """One line of a prompts file: chat turns (``{"role": ..., "content": ...}`` each) and an
+    optional output budget. Any other key is refused, naming the keys allowed.
 
-    model_config = ConfigDict(extra="ignore")
+    ``line`` is the line of the file it was read from (None when it was not read from one).
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     id: str | None = None
     kind: str = "prompt"
     messages: list[dict[str, str]] = Field(min_length=1)
     max_new_tokens: int | None = Field(None, ge=1)
+    _line: int | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if unknown:
+                raise ValueError(f"{_keys('unknown', unknown)} (a line may hold: {', '.join(cls.model_fields)})")
+            messages = data.get("messages")
+            for i, message in enumerate(messages if isinstance(messages, list) else []):
+                if not isinstance(message, dict):
+                    continue
+                unknown = [k for k in message if k not in MESSAGE_KEYS]
+                missing = [k for k in MESSAGE_KEYS if k not in message]
+                if unknown or missing:
+                    what = _keys("unknown", unknown) if unknown else _keys("no", missing)
+                    raise ValueError(f"messages[{i}]: {what} (a message has: {', '.join(MESSAGE_KEYS)})")
+        return data
+
+    @property
+    def line(self) -> int | None:
+        return self._line
+
+
+def _keys(what: str, keys: list[str]) -> str:
+    """``"unknown key 'a'"``, ``"unknown keys 'a', 'b'"``."""
+    return f"{what} key{'s' if len(keys) > 1 else ''} {', '.join(repr(k) for k in keys)}"
 
 
 def bundled_prompts() -> Path:
@@ -42,8 +86,51 @@ def bundled_prompts() -> Path:
     return Path(str(resources.files("ngram_hal") / "data" / "prompts.jsonl"))
 
 
+def json_depth_over(text: str, limit: int) -> bool:
+    """Whether the JSON ``text`` nests brackets (``[`` and ``{``) more than ``limit`` deep, read
+    without parsing it (brackets inside strings do not count)."""
+    depth = 0
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def _parse_line(raw: bytes, path: Path, n: int) -> PromptSpec | None:
+    """Line ``n`` (bytes, newline included) of the prompts file ``path`` as a prompt, None when blank."""
+    if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+        raise ValueError(f"{path} line {n}: longer than {MAX_LINE_BYTES} bytes (1 MiB), the most a line may hold")
+    try:
+        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} line {n}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of "
+                         f"the line)") from None
+    if not line.strip():
+        return None
+    if json_depth_over(line, MAX_JSON_DEPTH):
+        raise ValueError(f"{path} line {n}: JSON nested deeper than {MAX_JSON_DEPTH} levels, the most a line "
+                         f"may have (a prompt needs 3)")
+    try:
+        spec = PromptSpec.model_validate(json.loads(line))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} line {n}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValidationError as exc:
+        raise ValueError(f"{path} line {n}: {validation_message(exc)}") from None
+    except ValueError as exc:  # what json refuses beyond its syntax, such as an int of 5000 digits
+        raise ValueError(f"{path} line {n}: not usable JSON ({str(exc).split(';')[0]})") from None
+    if spec.id is None:
+        spec = spec.model_copy(update={"id": f"line-{n}"})
+    spec._line = n
+    return spec
+
+
 def load_prompts(path: str | Path | None = None) -> list[PromptSpec]:
     """Read a JSONL prompts file (default :func:`bundled_prompts`); ids default to ``line-N``.
+
+    Each line is checked before it is parsed (at most :data:`MAX_LINE_BYTES` bytes, UTF-8, brackets
+    nested at most :data:`MAX_JSON_DEPTH` deep), then parsed as a :class:`PromptSpec`; ids must be
+    distinct.
 
     Raises:
         OSError: the file cannot be read.
@@ -51,18 +138,19 @@ def load_prompts(path: str | Path | None = None) -> list[PromptSpec]:
             (blank lines are skipped), or a message naming the file when it holds no prompt.
     """
     path = Path(path) if path is not None else bundled_prompts()
-    specs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    specs: list[PromptSpec] = []
+    seen: dict[str, int] = {}
+    with open(path, "rb") as f:
+        n = 0
+        while raw := f.readline(MAX_LINE_BYTES + 2):  # a longest line and its "\r\n"
+            n += 1
+            spec = _parse_line(raw, path, n)
+            if spec is None:
                 continue
-            try:
-                spec = PromptSpec.model_validate(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {n}: not JSON ({exc.msg} at column {exc.colno})") from None
-            except ValidationError as exc:
-                raise ValueError(f"{path} line {n}: {validation_message(exc)}") from None
-            specs.append(spec if spec.id else spec.model_copy(update={"id": f"line-{n}"}))
+            if spec.id in seen:
+                raise ValueError(f"{path} line {n}: id {spec.id!r} is already the id of line {seen[spec.id]}")
+            seen[spec.id] = n
+            specs.append(spec)
     if not specs:
         raise ValueError(f"{path}: no prompts (expected one JSON object a line with a 'messages' list)")
     return specs
@@ -166,7 +254,7 @@ class _Run:
     """
 
     def __init__(self, label: str, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-                 progress: Progress | None):
+                 progress: TokenProgress | None):
         self.engine = engine
         self.before = dataclasses.asdict(engine.stats)
         self.busy_s = 0.0
@@ -180,7 +268,7 @@ class _Run:
         self.busy_s += time.perf_counter() - self._slice_start
         self.progress = progress
         self.total = sum(self.budget.values())
-        self.task: TaskID | None = None
+        self.task = None
         if progress is not None:
             self.task = progress.add_task(label, total=self.total)
 
@@ -240,7 +328,7 @@ class _Run:
 
 
 def run_side_by_side(engines: Sequence[tuple[str, Engine]], tokenizer, specs: Sequence[PromptSpec],
-                     params: SamplingParams, progress: Progress | None = None,
+                     params: SamplingParams, progress: TokenProgress | None = None,
                      slice_s: float = SLICE_S) -> list[RunResult]:
     """Generate for ``specs`` on each ``(label, engine)``, the engines taking turns, and time each.
 
@@ -260,6 +348,6 @@ def run_side_by_side(engines: Sequence[tuple[str, Engine]], tokenizer, specs: Se
 
 
 def run_prompts(engine: Engine, tokenizer, specs: Sequence[PromptSpec], params: SamplingParams,
-                progress: Progress | None = None, label: str = "generating") -> RunResult:
+                progress: TokenProgress | None = None, label: str = "generating") -> RunResult:
     """One engine's run of :func:`run_side_by_side`."""
     return run_side_by_side([(label, engine)], tokenizer, specs, params, progress)[0]

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (error_text, fresh_drafting, make_console, make_table, peak_rss_bytes,  # noqa: E402
+from common import (error_text, make_console, make_table, peak_rss_bytes,  # noqa: E402
                     report_header, write_json, write_report)
 
 from ngram_hal.backend import OPS  # noqa: E402
@@ -230,7 +230,7 @@ def main(argv=None) -> None:
             attempt(name, ids, warm_tokens)
     for system in systems.values():
         if isinstance(system, Ours):
-            fresh_drafting(system.engine)  # what the warm-up taught the drafter must not help the timed runs
+            system.engine.forget_drafts()  # what the warm-up taught the drafter must not help the timed runs
 
     table = make_table(f"ngram-hal vs transformers {transformers.__version__}, batch 1, greedy, "
                        f"{report['device_name']}, {dtype}",

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ngram_hal
+from ngram_hal.files import write_atomic
 
 
 def device_name(device: torch.device) -> str:
@@ -88,12 +89,8 @@ def make_table(title: str, columns: Iterable[str], left: Iterable[str] = ()) -> 
 
 def write_json(path: str | Path, report: dict) -> None:
     """Write ``report`` as indented JSON to ``path``, creating its folder; a reader never sees half
-    a file (it is written beside and renamed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(report, indent=2) + "\n")
-    part.replace(path)
+    a file (:func:`ngram_hal.files.write_atomic`; its ``WriteError`` names the path)."""
+    write_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 def write_report(path: str | Path, report: dict, console: Console) -> None:
@@ -105,24 +102,6 @@ def write_report(path: str | Path, report: dict, console: Console) -> None:
 def error_text(exc: BaseException) -> str:
     """``Type: message`` of an exception (the message's first 500 characters), for a report."""
     return f"{type(exc).__name__}: {str(exc)[:500]}"
-
-
-# ------------------------------------------------------------------ engines
-
-
-def fresh_drafting(engine) -> None:
-    """Give an :class:`~ngram_hal.engine.engine.Engine` a new drafter and speculation policy, as a
-    new engine would have, keeping its captured graphs: what a warm-up taught them (the shared
-    n-gram corpus keeps every output it saw) must not help a timed run. A drafter on the device
-    stays: it learns only from its own request's tokens, which each prefill writes anew."""
-    from ngram_hal.engine.engine import make_drafter
-    from ngram_hal.engine.policy import SpecPolicy
-
-    config = engine.config
-    engine.drafter = make_drafter(config.drafter) if engine.num_nodes > 1 and engine.lookup is None else None
-    if engine.drafter is not None:
-        engine.drafter.prepare()  # as a new engine does: its memory mapped before any request
-    engine.policy = SpecPolicy(engine.num_nodes, config.spec_policy, config.probe_every)
 
 
 # ------------------------------------------------------------------ device memory

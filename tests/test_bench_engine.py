@@ -83,7 +83,8 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
         assert t["device_busy_s"] == 0 and row["graphs_used"] is False
         assert row["vs_plain"] > 0 and row["vs_old"] > 0 and row["same_as_warmup"]
         assert row["same_tokens_as_plain"] == {"same": 2, "of": 2, "differ": []}
-        assert set(row["by_kind"]) == {"copy", "open"}
+        assert set(row["by_kind"]) == {"copy", "open", "copy-heavy"}
+        assert row["by_kind"]["copy-heavy"]["output_tokens"] == row["by_kind"]["copy"]["output_tokens"]
         tok_s = [row["by_kind"][k]["tokens_per_s"] for k in ("copy", "open")]
         assert all(v > 0 for v in tok_s) if row["batch"] == 1 else tok_s == [None, None]
         assert sum(row["steps_by_tree_size"].values()) == t["decode_steps"]
@@ -161,7 +162,7 @@ def test_profiled_steps_leave_the_engine_empty(bench_engine, spec_nodes):
 def _row(batch, run, tok_s, spec_nodes=1, invariant=False, copy_tok_s=None, busy=0.0, idle=0.0, tokens=(1, 2)):
     return {"batch": batch, "run": run, "status": "ok", "spec_nodes": spec_nodes, "invariant": invariant,
             "totals": {"tokens_per_s": tok_s, "device_busy_s": busy, "device_idle_fraction": idle / (busy + idle or 1)},
-            "by_kind": {"copy": {"tokens_per_s": copy_tok_s}}, "requests": ["a", "b"],
+            "by_kind": {"copy-heavy": {"tokens_per_s": copy_tok_s}}, "requests": ["a", "b"],
             "token_ids": [[t] for t in tokens]}
 
 
@@ -171,6 +172,7 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
             _row(1, "spec8", 2000.0, 8, copy_tok_s=2400.0, busy=0.8, idle=0.2, tokens=(1, 3)),
             _row(1, "spec16", 2100.0, 16, copy_tok_s=2600.0), _row(1, "auto8", 1150.0, 8),
             _row(1, "spec8-device", 2500.0, 8, copy_tok_s=3100.0, busy=0.95, idle=0.05),
+            _row(1, "auto16-device", 2450.0, 16, copy_tok_s=4100.0),
             _row(1, "invariant-plain", 900.0, invariant=True), _row(1, "invariant-spec8", 1800.0, 8, True),
             _row(64, "plain", 21000.0), _row(64, "auto8", 19000.0, 8),
             {"batch": 64, "run": "spec8", "status": "error", "error": "OutOfMemoryError: ...", "spec_nodes": 8,
@@ -180,15 +182,19 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     bench_engine.derive(report, configs, [1, 64])
     got = {t["target"]: (t["measured"], t["met"], t["run"]) for t in report["targets"]}
     assert got["plain decode, batch 1 (tok/s)"] == (1200.0, True, "B=1 plain")
-    assert got["speculation, copy-heavy prompts, batch 1 (tok/s)"] == (3100.0, True, "B=1 spec8-device")
+    assert got["speculation, copy-heavy prompts, batch 1 (tok/s)"] == (4100.0, True, "B=1 auto16-device")
     assert got["device idle between steps, plain, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.05), True)
     assert got["device idle between steps, spec8, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.2), False)
     assert got["device idle between steps, spec8-device, batch 1 (graphs, overlap)"][:2] == (pytest.approx(0.05), True)
     assert got["plain decode, batch 64 (tok/s)"] == (21000.0, True, "B=64 plain")
-    assert got["auto8 / plain, batch 1"][:2] == (pytest.approx(1150 / 1200), True)
+    assert got["auto8 / plain, batch 1"][:2] == (pytest.approx(1150 / 1200), False)
+    assert got["auto8 / best fixed size (spec16), batch 1"][:2] == (pytest.approx(1150 / 2100), False)
+    assert got["auto16-device / best fixed size (spec8-device), batch 1"][:2] == (pytest.approx(2450 / 2500), True)
+    assert got["auto16-device, copy-heavy prompts, batch 1 (tok/s)"] == (4100.0, True, "B=1 auto16-device")
+    assert got["auto8 / best fixed size (-), batch 64"][:2] == (None, None)
     assert got["auto8 / plain, batch 64"] == (0.97, True, "B=64 auto8 (passes paired with plain passes)")
     assert rows[-2]["vs_plain"] == pytest.approx(19000 / 21000)
-    assert got["greedy with speculation == without, default mode (requests)"][:2] == ("9/10", False)
+    assert got["greedy with speculation == without, default mode (requests)"][:2] == ("11/12", False)
     assert got["greedy with speculation == without, invariant mode (requests)"][:2] == ("2/2", True)
     assert rows[2]["same_tokens_as_plain"] == {"same": 1, "of": 2, "differ": ["b"]}
     assert rows[2]["vs_plain"] == pytest.approx(2000 / 1200) and rows[2]["vs_old"] == pytest.approx(20.0)

@@ -107,3 +107,16 @@ def test_matrix_job_merges_every_report(jobs):
     assert download["with"] == {"pattern": "conformance-*", "path": "reports", "merge-multiple": True}
     assert "ngram-hal matrix reports/conformance-*.json" in _runs(job)
     assert "reports/matrix.html" in _uploads(job)
+
+
+def test_the_portability_workflow_runs_the_unit_tests_under_every_float_setting():
+    """One job per setting that changes the CPU's floating-point results, each running the unit
+    tests, and the same settings as ``make test-portability``."""
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "portability.yml").read_text())
+    job = workflow["jobs"]["unit"]
+    settings = job["strategy"]["matrix"]["setting"]
+    assert set(settings) == {"OMP_NUM_THREADS=1", "OMP_NUM_THREADS=2", "ATEN_CPU_CAPABILITY=default",
+                             "ATEN_CPU_CAPABILITY=avx2"}
+    assert any("make test-unit" in step.get("run", "") for step in job["steps"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"PORTABILITY_SETTINGS := {' '.join(settings)}" in makefile

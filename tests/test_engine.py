@@ -335,8 +335,6 @@ def test_top_k_one_and_tiny_top_p_sample_the_argmax(model, prompts, reference):
 
 
 def test_sampling_is_seeded_and_mixes_with_greedy(model, prompts, reference):
-    # Sampled tokens depend on the drafts (which children the verify tries), and the shared trie
-    # learns from every request, so reproducibility is per fresh engine.
     params = [SamplingParams(temperature=1.0, seed=11, max_new_tokens=32), SamplingParams(max_new_tokens=48)]
     first = make(model, spec_nodes=8).generate(prompts[:2], params)
     engine = make(model, spec_nodes=8)
@@ -440,7 +438,7 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
     # When the policy picks one node, the step drafts nothing: it is launched before the host
     # waits for the previous step, as without speculation.
     engine = make(model, spec_nodes=8, overlap=True, spec_policy="auto")
-    engine.policy.peek = engine.policy.choose = lambda: 1
+    engine.policy.peek = engine.policy.choose = lambda bucket, requests: 1
     absorbed = []
     absorb = engine._absorb
 
@@ -522,7 +520,7 @@ def test_auto_runs_plain_while_the_drafter_records(model, prompts, reference):
                                                   spec_policy=policy, probe_every=2), drafter=drafter)
         sizes = []
         choose = engine.policy.choose
-        engine.policy.choose = lambda: sizes.append(choose()) or sizes[-1]
+        engine.policy.choose = lambda *args: sizes.append(choose(*args)) or sizes[-1]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         assert_all_free(engine)
@@ -531,3 +529,37 @@ def test_auto_runs_plain_while_the_drafter_records(model, prompts, reference):
             assert len(sizes) < steps and engine.policy.chosen[1] > 0 and any(n > 1 for n in sizes)
         else:
             assert len(sizes) == steps and set(sizes) == {8}
+
+
+@pytest.mark.parametrize("setting", [
+    dict(spec_nodes=8, spec_policy="always", drafter="trie"),
+    dict(spec_nodes=8, spec_policy="always", drafter="linear"),
+    dict(spec_nodes=8, spec_policy="always", drafter="device"),
+    dict(spec_nodes=8, spec_policy="auto", drafter="trie", probe_every=2),
+    dict(spec_nodes=8, spec_policy="auto", drafter="device", probe_every=2),
+    dict(spec_nodes=8, spec_policy="random sizes", drafter="trie"),
+], ids=["always-trie", "always-linear", "always-device", "auto-trie", "auto-device", "random-sizes"])
+def test_seeded_sampling_commits_the_same_tokens_whatever_the_speculation(model, prompts, setting):
+    """A seeded sampled request commits the tokens plain decoding with the same seed commits, on
+    two fresh engines, whatever the drafter, the policy, or sizes changing at random from step to
+    step: its random numbers depend on its seed and positions only. Hot requests (temperature
+    0.8) sample for real; nearly greedy ones (0.01) loop, so that drafts are accepted."""
+    params = [SamplingParams(temperature=0.01 if i % 2 else 0.8, seed=100 + i, max_new_tokens=40)
+              for i in range(len(prompts))]
+    plain = [o.token_ids for o in make(model, spec_nodes=1).generate(prompts, params)]
+    greedy = [o.token_ids for o in make(model, spec_nodes=1).generate(prompts, SamplingParams(max_new_tokens=40))]
+    assert plain[0] != greedy[0] and plain[2] != greedy[2]
+    setting = dict(setting)
+    sizes = setting.pop("spec_policy")
+    runs, speculated = [], 0
+    for attempt in range(2):
+        engine = make(model, spec_policy="auto" if sizes == "random sizes" else sizes, **setting)
+        if sizes == "random sizes":
+            rng = torch.Generator().manual_seed(attempt)
+            engine.policy.peek = engine.policy.choose = (
+                lambda *args: engine.policy.sizes[int(torch.randint(4, (1,), generator=rng))])
+        runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        speculated += engine.stats.decode_tokens - engine.stats.decode_rows
+        assert_all_free(engine)
+    assert runs[0] == runs[1] == plain
+    assert speculated > 0, "no draft was accepted: the comparison would not involve speculation"

@@ -1,18 +1,45 @@
-"""The speculation policy: the tree size measured fastest among 1, 2, 4, ..., D, with probes."""
+"""The speculation policy: step costs against each request's expected tokens, for the whole batch."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from ngram_hal.engine.policy import SpecPolicy, tree_sizes
+from ngram_hal.engine.policy import Acceptance, SpecPolicy, StepCosts, tree_sizes
+
+COSTS = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.6}
+"""Seconds per step by tree size: rows cheap up to 8 nodes, a compute-bound 16."""
 
 
-def drive(policy: SpecPolicy, steps: int, cost: dict[int, float], tokens: dict[int, float], rows: int = 16):
+def expected(p: float, drafts: int) -> float:
+    return sum(p ** k for k in range(drafts + 1))
+
+
+def best_size(ps: list[float], costs: dict[int, float], margin: float = 0.05) -> int:
+    """The smallest size within ``margin`` of the highest expected tokens per second of a batch
+    whose requests accept each next draft with probabilities ``ps``: the right answer, by brute
+    force over the true rates."""
+    rates = {n: sum(expected(p, n - 1) for p in ps) / costs[n] for n in sorted(costs)}
+    return next(n for n, r in rates.items() if r * (1 + margin) >= max(rates.values()))
+
+
+def simulate(policy: SpecPolicy, ps: list[float], costs: dict[int, float], steps: int, seed: int = 0,
+             bucket: int = 8) -> list[int]:
+    """Serve a batch whose request b accepts each next draft with probability ``ps[b]``, each step
+    costing ``costs[n]``; the sizes the policy chose."""
+    rng = random.Random(seed)
+    records = [Acceptance() for _ in ps]
     chosen = []
     for _ in range(steps):
-        n = policy.choose()
+        n = policy.choose(bucket, records)
         chosen.append(n)
-        policy.observe(n, rows, int(tokens[n] * rows), cost[n] * rows)
+        for record, p in zip(records, ps):
+            accepted = 0
+            while accepted < n - 1 and rng.random() < p:
+                accepted += 1
+            record.add(n - 1, accepted)
+        policy.observe(bucket, n, costs[n])
     return chosen
 
 
@@ -24,122 +51,142 @@ def test_tree_sizes():
 
 
 def test_always_uses_d():
-    policy = SpecPolicy(8, "always")
-    assert drive(policy, 10, {8: 1.0, 1: 0.1}, {8: 1.0, 1: 1.0}) == [8] * 10
+    assert simulate(SpecPolicy(8, "always"), [0.0], {8: 1.0}, 10) == [8] * 10
 
 
-def test_auto_turns_speculation_down_when_it_loses():
-    # Every tree costs more than it commits: plain wins after one trial of two nodes; the larger
-    # trees are never tried (a local search), and two nodes are probed now and then.
-    policy = SpecPolicy(8, "auto", probe_every=4)
-    chosen = drive(policy, 80, {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5})
-    assert chosen[:2] == [1, 2]
-    tail = chosen[10:]
-    assert tail.count(1) > 0.85 * len(tail) and 2 in tail
-    assert policy.chosen[4] == policy.chosen[8] == 0
-    assert policy.rate(4) is None and max(policy.sizes, key=lambda n: policy.rate(n) or 0) == 1
+def test_acceptance_estimates_the_chance_of_the_next_draft():
+    record = Acceptance()
+    assert record.p == 0.5 and record.expected_tokens(0) == 1.0
+    for _ in range(30):
+        record.add(7, 7)  # every draft accepted: no rejection seen
+    assert record.p > 0.9
+    assert record.expected_tokens(7) == pytest.approx(expected(record.p, 7))
+    half = Acceptance(decay=1.0)
+    for _ in range(300):
+        half.add(7, 1)  # one accepted, then a rejection, every step
+    assert half.p == pytest.approx(0.5, abs=0.01)
+    half.add(0, 0)  # a plain step offers nothing and tells nothing
+    assert half.p == pytest.approx(0.5, abs=0.01)
+    never = Acceptance()
+    for _ in range(30):
+        never.add(1, 0)
+    assert never.p < 0.1
 
 
-def test_auto_climbs_while_larger_trees_win():
-    policy = SpecPolicy(8, "auto", probe_every=8)
-    chosen = drive(policy, 12, {1: 0.1, 2: 0.11, 4: 0.12, 8: 0.15}, {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.0})
-    assert chosen[:5] == [1, 2, 4, 8, 8]
+def test_acceptance_follows_the_recent_text():
+    record = Acceptance()
+    for _ in range(20):
+        record.add(7, 7)
+    copying = record.p
+    for _ in range(10):
+        record.add(7, 0)
+    after_ten = record.p
+    for _ in range(10):
+        record.add(7, 0)
+    assert copying > 0.9 and after_ten < 0.4 and record.p < 0.2
 
 
-def test_auto_keeps_speculation_when_it_wins():
-    policy = SpecPolicy(8, "auto", probe_every=8)
-    chosen = drive(policy, 60, {1: 0.1, 2: 0.11, 4: 0.12, 8: 0.15}, {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.0})
-    tail = chosen[10:]
-    assert tail.count(8) > 0.8 * len(tail)
-    assert set(tail) - {8}
+@pytest.mark.parametrize("ps", [[0.9] * 4, [0.6] * 4, [0.3] * 4, [0.05] * 4], ids=["copy", "some", "little", "none"])
+def test_auto_settles_on_the_size_with_the_highest_throughput(ps):
+    """A synthetic batch whose acceptance and step costs are known: after a few steps the policy
+    runs the size a brute-force search over the true expected rates picks."""
+    policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS))
+    chosen = simulate(policy, ps, COSTS, 200)
+    want = best_size(ps, COSTS)
+    tail = chosen[40:]
+    assert max(set(tail), key=tail.count) == want
+    assert tail.count(want) > 0.8 * len(tail)
 
 
-def test_auto_picks_a_middle_size():
-    # A batch where 8 nodes per request make the step compute-bound: 4 nodes give the best rate.
-    policy = SpecPolicy(8, "auto", probe_every=8)
-    chosen = drive(policy, 60, {1: 0.1, 2: 0.11, 4: 0.13, 8: 0.4}, {1: 1.0, 2: 1.6, 4: 2.4, 8: 3.0})
-    assert chosen[10:].count(4) > 0.8 * len(chosen[10:])
+def test_a_mixed_batch_speculates_for_its_copying_requests():
+    """Two requests that copy beside six that do not: the batch's throughput is highest with a
+    middle size (scoring the slowest request would run plain steps)."""
+    ps = [0.95, 0.95] + [0.02] * 6
+    assert best_size(ps, COSTS) > 1 and best_size([0.02], COSTS) == 1
+    policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS))
+    tail = simulate(policy, ps, COSTS, 200)[40:]
+    assert max(set(tail), key=tail.count) == best_size(ps, COSTS)
 
 
-def test_auto_follows_a_change_in_the_workload():
-    policy = SpecPolicy(8, "auto", probe_every=4)
-    cost = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}
-    drive(policy, 40, cost, {1: 1.0, 2: 1.1, 4: 1.15, 8: 1.2})
-    assert policy.choose() in policy.sizes
-    chosen = drive(policy, 80, cost, {1: 1.0, 2: 1.9, 4: 3.5, 8: 6.0})
-    assert chosen[-20:].count(8) > 14
+def test_nothing_pays_so_plain_steps_with_thinning_probes():
+    policy = SpecPolicy(8, "auto", probe_every=4, costs=_calibrated(COSTS))
+    chosen = simulate(policy, [0.0] * 4, COSTS, 300)
+    # The first steps speculate on the prior of one half, then plain steps and probes of two nodes.
+    probes = [i for i, n in enumerate(chosen) if n > 1 and i > 10]
+    assert set(chosen[10:]) <= {1, 2} and chosen[10:].count(1) > 0.9 * len(chosen[10:])
+    assert len(probes) < 0.05 * len(chosen)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 8 * 4 + 1
 
 
-def test_untimed_samples_update_acceptance_only():
+def test_unknown_costs_start_plain_and_are_tried_once():
+    """With no calibration the first step is plain; a larger size is then guessed to cost what
+    the size below it cost, tried, and its measured cost decides from then on."""
+    costs = {1: 1.0, 2: 1.05, 4: 3.0, 8: 9.0}
     policy = SpecPolicy(8, "auto")
-    policy.observe(8, 4, 12, None)
-    assert policy.rate(8) is None
-    policy.observe(8, 4, 12, 0.4)
-    assert policy.rate(8) == pytest.approx(3.0 / 0.1)
+    chosen = simulate(policy, [0.7] * 4, costs, 60)
+    assert chosen[0] == 1
+    assert policy.chosen[8] <= 2 and policy.chosen[4] <= 2
+    assert max(set(chosen[20:]), key=chosen[20:].count) == best_size([0.7] * 4, costs) == 2
 
 
-def test_bad_mode():
+def test_the_smallest_size_within_the_margin_wins():
+    # 8 nodes promise 3% more than 4: within the 5% margin, so 4 runs; without a margin, 8.
+    requests = [_fixed(0.8)]
+    costs = _calibrated({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    rates = {n: expected(0.8, n - 1) for n in (4, 8)}
+    scale = rates[8] / rates[4] / 1.03
+    costs.calibrate(8, 8, scale)
+    assert SpecPolicy(8, "auto", costs=costs).peek(8, requests) == 4
+    assert SpecPolicy(8, "auto", margin=0.0, costs=costs).peek(8, requests) == 8
+
+
+def test_peek_changes_nothing():
+    policy = SpecPolicy(8, "auto", costs=_calibrated(COSTS))
+    requests = [_fixed(0.9)]
+    first = policy.peek(8, requests)
+    assert [policy.peek(8, requests) for _ in range(5)] == [first] * 5
+    assert sum(policy.chosen.values()) == 0
+    assert policy.choose(8, requests) == first
+
+
+def test_step_costs_take_the_median_and_fall_back_to_calibration():
+    costs = StepCosts(window=5)
+    costs.calibrate(4, 2, 0.5)
+    assert costs.measured(4, 2) == 0.5 and costs.measured(4, 4) is None
+    assert costs.estimate(4, 4, [1, 2, 4]) == 0.5 and costs.estimate(8, 4, [1, 2, 4]) is None
+    for seconds in (0.1, 0.1, 9.0, 0.1, 0.1):  # one stalled step
+        costs.add(4, 2, seconds)
+    assert costs.measured(4, 2) == 0.1
+    costs.add(4, 2, 0.0)  # no clean sample
+    assert costs.measured(4, 2) == 0.1
+
+
+def test_costs_are_kept_per_bucket():
+    costs = _calibrated({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2})
+    for n, seconds in {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}.items():
+        costs.calibrate(64, n, seconds)  # a large batch where every node costs a row
+    policy = SpecPolicy(8, "auto", costs=costs)
+    requests = [_fixed(0.8)] * 4
+    assert policy.peek(8, requests) == 8 and policy.peek(64, requests) == 1
+
+
+def test_bad_arguments():
     with pytest.raises(ValueError, match="mode"):
         SpecPolicy(8, "sometimes")
-
-
-def test_probes_thin_out_while_the_best_size_holds():
-    policy = SpecPolicy(8, "auto", probe_every=4, max_probe_every=32)
-    chosen = drive(policy, 400, {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5})
-    probes = [i for i, n in enumerate(chosen) if n != 1 and i >= 4]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[0] <= 8 and gaps[-1] == 32
-    assert len(probes) < 20
-
-
-def test_peek_tells_the_next_choice_and_changes_nothing():
-    policy = SpecPolicy(8, "auto", probe_every=2)
-    cost, tokens = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5}
-    for _ in range(40):
-        before = (dict(policy.chosen), dict(policy._last_run), policy._steps)
-        n = policy.peek()
-        assert (dict(policy.chosen), dict(policy._last_run), policy._steps) == before
-        assert policy.choose() == n
-        policy.observe(n, 4, int(tokens[n] * 4), cost[n] * 4)
-
-
-def test_one_stalled_step_does_not_move_the_choice():
-    policy = SpecPolicy(8, "auto", probe_every=4)
-    cost, tokens = {1: 0.1, 2: 0.15, 4: 0.2, 8: 0.3}, {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.5}
-    drive(policy, 20, cost, tokens)
-    assert policy.peek() == 1
-    policy.observe(1, 16, 16, 16 * 50.0)  # a size-1 step that took 500 times as long
-    assert max(policy.sizes, key=lambda n: policy.rate(n) or 0) == 1
-    assert drive(policy, 5, cost, tokens).count(1) >= 4
-
-
-def test_auto_scores_the_slowest_request():
-    """Half the batch copies (5 tokens a step at size 8), half never accepts a draft (1 token):
-    the mean (3 tokens for a 2x dearer step) favours 8 nodes, but the batch ends with its
-    slow half, which 8 nodes only slow down; scored by the slowest request, auto stays plain."""
-    cost = {1: 0.1, 2: 0.13, 4: 0.16, 8: 0.2}
-    fast = {1: 1, 2: 2, 4: 3, 8: 5}
-    for slowest, want in ((None, 8), (True, 1)):
-        policy = SpecPolicy(8, "auto", probe_every=8)
-        chosen = []
-        for _ in range(60):
-            n = policy.choose()
-            chosen.append(n)
-            tokens = 8 * fast[n] + 8 * 1
-            policy.observe(n, 16, tokens, cost[n] * 16, 1 if slowest else None)
-        tail = chosen[20:]
-        assert max(set(tail), key=tail.count) == want, (slowest, chosen)
-
-
-def test_auto_prefers_the_smaller_size_within_the_margin():
-    """Where the host sets the pace every size takes about as long and commits about as much:
-    two nodes estimated 3% faster than plain (noise, as far as the policy can tell) do not win,
-    with the default margin of 5%; without a margin they do."""
-    cost = {1: 0.1, 2: 0.097, 4: 0.105, 8: 0.11}
-    tokens = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
-    for margin, want in ((0.05, 1), (0.0, 2)):
-        chosen = drive(SpecPolicy(8, "auto", probe_every=8, margin=margin), 60, cost, tokens)
-        tail = chosen[10:]
-        assert tail.count(want) > 0.8 * len(tail), (margin, chosen)
     with pytest.raises(ValueError, match="margin"):
-        SpecPolicy(8, "auto", margin=-0.1)
+        SpecPolicy(8, "auto", margin=-1)
+
+
+def _calibrated(costs: dict[int, float], bucket: int = 8) -> StepCosts:
+    known = StepCosts()
+    for n, seconds in costs.items():
+        known.calibrate(bucket, n, seconds)
+    return known
+
+
+def _fixed(p: float) -> Acceptance:
+    """A record whose estimate is ``p`` (no decay)."""
+    record = Acceptance(decay=1.0)
+    record.accepted, record.rejected = p * 1000 - 1, (1 - p) * 1000 - 1
+    return record

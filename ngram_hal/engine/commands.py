@@ -2,9 +2,11 @@
 
 Everything a user can get wrong is checked before the model loads: option values when the
 arguments are parsed (their constraints come from :class:`SamplingParams` and
-:class:`EngineConfig`), then the prompts file, the model file and the backend. Results go to
-stdout; what the command is doing (model load, kernel compilation, one progress bar per run)
-goes to stderr.
+:class:`EngineConfig`), then the prompts file, the report's destination, the model file and the
+backend, and then, with the tokenizer read from the model file's metadata, that every prompt
+fits the context. Results go to stdout; what the command is doing (tokenizer and model load,
+kernel compilation, the tokens of each run) goes to stderr (:mod:`ngram_hal.engine.progress`:
+spinners and bars on a terminal, time-stamped lines in a pipe).
 """
 
 from __future__ import annotations
@@ -13,25 +15,32 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jinja2
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..backend import OPS
-from ..cli import CommandError, error_line
+from ..cli import CommandError, check_destination, error_line, write_output
 from ..options import POSITIVE_INT, field_type
 from ..registry import ENV_BACKEND, backend_class, get_backend
 from .engine import EngineConfig
 from .gguf_loader import find_model_file
+from .progress import Status
 from .request import SamplingParams
+from .tokenizer import Tokenizer
 from .workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPILE_NOTE = "one-time: 20-40 s on a first run, then loaded from numba's cache in __pycache__"
+COMPILE_NOTE = "20-40 s the first time, 1-2 s after"
+GPU_SPEC_NODES, CPU_SPEC_NODES = 16, 8
+"""``--spec-nodes`` by default: on a GPU a verify row costs little beside a decode row, so ``auto``
+may choose trees of up to 16 nodes; on the CPU each row costs, and 8 is the most that pays."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +62,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
                              "(default: the bundled prompts)")
-    parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=8, metavar="D",
-                        help="draft-tree nodes per step (default 8)")
+    parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=None, metavar="D",
+                        help=f"draft-tree nodes per step (default {GPU_SPEC_NODES} where the backend runs Triton "
+                             f"model kernels, else {CPU_SPEC_NODES})")
     parser.add_argument("--drafter", choices=("trie", "linear", "device"), default=None,
                         help="n-gram drafter: trie or linear on the host, device: the linear drafter's chains drafted "
                              "on the device (default: device on a backend with Triton model kernels, trie elsewhere)")
@@ -80,9 +90,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overlap", action="store_true", help="process each step before launching the next")
     parser.add_argument("--temperature", type=field_type(SamplingParams, "temperature"), default=0.0,
                         help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=field_type(SamplingParams, "top_p"), default=1.0)
-    parser.add_argument("--top-k", type=field_type(SamplingParams, "top_k"), default=0)
-    parser.add_argument("--seed", type=field_type(SamplingParams, "seed"), default=0)
+    parser.add_argument("--top-p", type=field_type(SamplingParams, "top_p"), default=1.0, metavar="P",
+                        help="sample from the most likely tokens whose probabilities add up to P, in (0, 1] "
+                             "(default 1: all of them; with --temperature above 0)")
+    parser.add_argument("--top-k", type=field_type(SamplingParams, "top_k"), default=0, metavar="K",
+                        help="sample from the K most likely tokens (default 0: all of them; with --temperature "
+                             "above 0)")
+    parser.add_argument("--seed", type=field_type(SamplingParams, "seed"), default=0, metavar="N",
+                        help="seed of the sampling, 0 <= N < 2**64: the same seed samples the same tokens "
+                             "(default 0; with --temperature above 0)")
     parser.add_argument("--batch-size", type=field_type(EngineConfig, "max_running"), default=16,
                         help="most requests decoding at once (default 16)")
     parser.add_argument("--compare", action="store_true",
@@ -116,6 +132,9 @@ def prompt_specs(args: argparse.Namespace) -> list[PromptSpec]:
     """The prompts to run (``args.prompt``, else the ``args.prompts`` file, capped at
     ``args.max_new_tokens`` when set), read and checked before anything loads."""
     if getattr(args, "prompt", None) is not None:
+        if args.prompts is not None:
+            raise CommandError(f"--prompt and --prompts {args.prompts}: give one of them (--prompt TEXT: one "
+                               "message; --prompts FILE.jsonl: one request a line)")
         if not args.prompt.strip():
             raise CommandError("--prompt: the text is empty")
         specs = [PromptSpec(id="prompt", messages=[{"role": "user", "content": args.prompt}])]
@@ -127,6 +146,63 @@ def prompt_specs(args: argparse.Namespace) -> list[PromptSpec]:
         except ValueError as exc:
             raise CommandError(f"--prompts {exc}") from exc
     return cap_new_tokens(specs, args.max_new_tokens) if args.max_new_tokens else specs
+
+
+def prompt_origin(args: argparse.Namespace, spec: PromptSpec) -> str:
+    """Where ``spec`` came from, for an error message: ``--prompt``, ``--prompts FILE line N`` or
+    the bundled prompt's id."""
+    if getattr(args, "prompt", None) is not None:
+        return "--prompt"
+    if args.prompts is not None:
+        return f"--prompts {args.prompts} line {spec.line}"
+    return f"the bundled prompt {spec.id!r}"
+
+
+def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, max_context_len: int,
+                      num_slots: int, nodes_option: str) -> str | None:
+    """Why the engine would refuse a prompt of ``prompt_tokens`` tokens, or None when it takes it.
+
+    The engine's rule (:meth:`Scheduler.check <ngram_hal.engine.scheduler.Scheduler.check>`): a
+    request keeps ``3 * spec_nodes`` positions of its ``max_context_len`` for draft trees and needs
+    one more for an output token; its output is cut to what is left, and the prompt, that output
+    and the draft trees must fit ``num_slots`` KV slots. ``nodes_option`` names the option that
+    set ``spec_nodes`` (``"--spec-nodes 8"``).
+    """
+    n, trees = prompt_tokens, 3 * spec_nodes
+    room = max_context_len - n - trees
+    if room < 1:
+        return (f"{n} prompt tokens; --max-context-len {max_context_len} holds at most {max_context_len - trees - 1} "
+                f"with {nodes_option} ({trees} positions stay free for draft trees)")
+    budget = n + min(max_new_tokens, room) + trees
+    if budget > num_slots:
+        return (f"{n} prompt tokens need {budget} KV slots with their output and draft trees; "
+                f"--num-slots {num_slots} holds fewer")
+    return None
+
+
+def check_prompts(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argparse.Namespace, spec_nodes: int,
+                  new_tokens: int, nodes_option: str) -> None:
+    """A :class:`CommandError` naming the first prompt of ``specs`` the engine would refuse
+    (:func:`prompt_room_error`; ``new_tokens`` is the output budget of a line without its own),
+    or whose messages the model's chat template refuses."""
+    for spec in specs:
+        try:
+            n = len(tokenizer.encode_chat(spec.messages))
+        except jinja2.TemplateError as exc:
+            raise CommandError(f"{prompt_origin(args, spec)}: the model's chat template refuses it ({exc})") from exc
+        why = prompt_room_error(n, spec.max_new_tokens or new_tokens, spec_nodes, args.max_context_len,
+                                args.num_slots, nodes_option)
+        if why is not None:
+            raise CommandError(f"{prompt_origin(args, spec)}: {why}")
+
+
+def check_spec_room(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argparse.Namespace,
+                    params: SamplingParams) -> None:
+    """Once the backend has set the default ``--spec-nodes``: the tree size fits the context, and
+    every prompt fits beside its output and the draft trees (:func:`check_prompts`)."""
+    check_tree_room(args.spec_nodes, args.max_context_len)
+    check_prompts(tokenizer, specs, args, 1 if getattr(args, "no_spec", False) else args.spec_nodes,
+                  params.max_new_tokens, nodes_option(args))
 
 
 def check_tree_room(spec_nodes: int, max_context_len: int) -> None:
@@ -210,6 +286,17 @@ def busy_note(load: float, cores: int) -> str | None:
 # ---------------------------------------------------------------------------- set-up
 
 
+def default_spec_nodes(backend) -> int:
+    """D where ``--spec-nodes`` is not given: :data:`GPU_SPEC_NODES` where the backend runs Triton
+    model kernels (cuda, rocm), :data:`CPU_SPEC_NODES` elsewhere."""
+    return GPU_SPEC_NODES if getattr(backend, "model_kernels", "torch") == "triton" else CPU_SPEC_NODES
+
+
+def nodes_option(args: argparse.Namespace) -> str:
+    """The option that set the tree size, for an error message."""
+    return "--no-spec" if getattr(args, "no_spec", False) else f"--spec-nodes {args.spec_nodes}"
+
+
 def default_drafter(backend) -> str:
     """``"device"`` where the backend runs Triton model kernels (cuda, rocm: drafting on the device
     lets speculative steps overlap), ``"trie"`` elsewhere (on the CPU the host drafts as fast)."""
@@ -221,31 +308,40 @@ class Setup:
 
     ``args`` holds the options of :func:`_add_common` (``model``, ``backend``, ``device``, ``dtype``,
     ``batch_invariant``, ``no_graphs``, ``drafter``, ``num_slots``, ``max_context_len``, ``threads``).
+    ``status`` is a :class:`~ngram_hal.engine.progress.Status` or a rich console (shown as on a
+    terminal). With ``check``, the tokenizer is read from the model file's metadata first and
+    ``check(tokenizer)`` runs before the weights load (it raises :class:`CommandError` to stop).
     """
 
-    def __init__(self, args: argparse.Namespace, status: Console):
-        from .tokenizer import Tokenizer
-
+    def __init__(self, args: argparse.Namespace, status: Status | Console,
+                 check: Callable[[Tokenizer], None] | None = None):
+        self.status = status = status if isinstance(status, Status) else Status(plain=False, console=status)
         self.path = path = model_file(args)
         self.backend = make_backend(args)
         if getattr(args, "drafter", None) is None:
             args.drafter = default_drafter(self.backend)
+        if getattr(args, "spec_nodes", 0) is None:
+            args.spec_nodes = default_spec_nodes(self.backend)
         self.args = args
         threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
         torch.set_num_threads(threads)
         start = time.perf_counter()
+        tokenizer = None
+        if check is not None:
+            with status.status(f"reading the tokenizer of {path.name} ..."):
+                tokenizer = Tokenizer.from_gguf(path)
+            check(tokenizer)
         with status.status(f"loading {path.name} (about 10 s) ..."):
             self.model = self.load_model(args.batch_invariant)
-            self.tokenizer = Tokenizer(self.model.tokenizer_metadata)
+        self.tokenizer = tokenizer or Tokenizer(self.model.tokenizer_metadata)
         self.load_s = time.perf_counter() - start
         self.dtype = str(self.model.dtype).removeprefix("torch.")
         caps = self.backend.capabilities()
-        status.print(f"loaded {path.name} in {self.load_s:.1f} s ({caps.name} backend on {caps.device}"
-                     f"{', proxy' if caps.proxy else ''}, {self.dtype}, {threads} thread{'s' if threads > 1 else ''})",
-                     highlight=False)
+        status.print(f"loaded {path.name} in {self.load_s:.1f} s")
+        status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
+                     f"{self.dtype}, {threads} thread{'s' if threads > 1 else ''}")
         if note:
             status.print(f"note: {note}")
-        self.status = status
         self.load_start = os.getloadavg()[0]
 
     def load_model(self, batch_invariant: bool):
@@ -269,14 +365,18 @@ class Setup:
                               graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
         return Engine(model or self.model, self.tokenizer, config)
 
-    def warm_up(self, spec_nodes: int) -> None:
-        """Two short requests, so that the timed runs do not pay one-time costs (kernel compilation)."""
-        start = time.perf_counter()
-        with self.status.status(f"compiling the numba kernels ({COMPILE_NOTE}) ..."):
-            engine = self.engine(spec_nodes, True, 2)
-            prompt = self.tokenizer.encode_chat([{"role": "user", "content": "Say hi, hi, hi."}])
-            engine.generate([prompt, prompt], SamplingParams(max_new_tokens=6))
-        self.status.print(f"kernels ready in {time.perf_counter() - start:.1f} s")
+    def warm_up(self, engines: Sequence, specs: Sequence[PromptSpec], params: SamplingParams,
+                batch_size: int) -> None:
+        """Each engine's one-time work on these prompts (kernel compiles, graph captures: see
+        :meth:`Engine.warm_up <ngram_hal.engine.engine.Engine.warm_up>`), done before anything is
+        timed and said on screen with the seconds it took."""
+        prompts = [self.tokenizer.encode_chat(s.messages) for s in specs]
+        host = self.backend.runtime.is_host
+        what = f"numba kernels, {COMPILE_NOTE}" if host else "kernel compiles, graph captures"
+        with self.status.status(f"one-time work ({what}) ..."):
+            seconds = sum(engine.warm_up(prompts, params, batch_size) for engine in engines)
+        done = "kernels compiled" if host else "kernels compiled, graphs captured"
+        self.status.print(f"one-time work done in {seconds:.1f} s, not timed: {done}")
 
     def load(self) -> float:
         """The highest 1-minute load average seen so far (at the set-up and now)."""
@@ -297,23 +397,14 @@ class Setup:
                 "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 
 
-def _progress(status: Console) -> Progress:
-    """One labelled bar per run: tokens so far out of those that will be generated, elapsed and
-    remaining time (blank until two updates after the prefill give a rate)."""
-    return Progress(TextColumn("{task.description:<11}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                    TextColumn("tokens"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                    console=status)
-
-
 def _peak_rss_bytes() -> int:
     """Peak resident memory of this process (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _write_json(path: str, payload: dict) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2))
+    """``payload`` as indented JSON in ``path`` (``--json``), atomically."""
+    write_output("--json", path, json.dumps(payload, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------- run
@@ -324,20 +415,22 @@ def run_command(args: argparse.Namespace) -> int:
     if args.compare and args.no_spec:
         raise CommandError("--compare compares speculation with plain decoding: drop --no-spec")
     specs = prompt_specs(args)
-    check_tree_room(args.spec_nodes, args.max_context_len)
+    if args.spec_nodes is not None:
+        check_tree_room(args.spec_nodes, args.max_context_len)
+    check_destination("--json", args.json)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens or 128,
                             seed=args.seed if args.temperature > 0 else None)
-    console, status = Console(), Console(stderr=True, soft_wrap=True)
-    setup = Setup(args, status)
+    console, status = Console(), Status()
+    setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
     spec_nodes = 1 if args.no_spec else args.spec_nodes
-    setup.warm_up(spec_nodes)
     overlap = not args.no_overlap
     runs = [("speculative" if spec_nodes > 1 else "plain",
              setup.engine(spec_nodes, overlap, args.batch_size, args.spec_policy))]
     if args.compare:
         runs.append(("plain", setup.engine(1, overlap, args.batch_size)))
-    with _progress(status) as progress:
+    setup.warm_up([engine for _, engine in runs], specs, params, args.batch_size)
+    with status.progress() as progress:
         results = run_side_by_side(runs, setup.tokenizer, specs, params, progress)
     result = results[0]
     baseline = results[1] if args.compare else None
@@ -358,7 +451,7 @@ def run_command(args: argparse.Namespace) -> int:
         status.print(f"wrote {args.json}")
     failed = [r for r in result.requests if r.error]
     for r in failed:
-        status.print(f"error: request {r.id}: {r.error}", markup=False, highlight=False)
+        print(f"error: request {r.id}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -438,18 +531,20 @@ BENCH_RUNS = (("plain", False, "always", True), ("plain", False, "always", False
 def bench_command(args: argparse.Namespace) -> int:
     """Plain vs speculative (always and auto) x overlap on/off x batch sizes; JSON with memory figures."""
     specs = prompt_specs(args)
-    check_tree_room(args.spec_nodes, args.max_context_len)
-    console, status = Console(), Console(stderr=True, soft_wrap=True)
-    setup = Setup(args, status)
+    if args.spec_nodes is not None:
+        check_tree_room(args.spec_nodes, args.max_context_len)
+    check_destination("--json", args.json)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    setup.warm_up(args.spec_nodes)
+    console, status = Console(), Status()
+    setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
     rows, kv_bytes = [], {}
-    with _progress(status) as progress:
+    with status.progress() as progress:
         for batch in args.batch_sizes:
             count = args.requests or max(batch, len(specs))
             workload = [specs[i % len(specs)] for i in range(count)]
             for name, speculative, policy, overlap in BENCH_RUNS:
                 engine = setup.engine(args.spec_nodes if speculative else 1, overlap, batch, policy)
+                setup.warm_up([engine], workload, params, batch)
                 kv_bytes[batch] = engine.kv.nbytes
                 label = f"B={batch} {name}{'' if overlap else ' -ovl'}"
                 res = run_prompts(engine, setup.tokenizer, workload, params, progress, label)

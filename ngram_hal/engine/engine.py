@@ -51,14 +51,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..speculative.lookup import DeviceDrafter
 from ..speculative.relay import OverlapRelay
-from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_sample
+from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_tokens
 from .detokenizer import IncrementalDetokenizer, Tokenizer
-from .graphs import StepGraphs
+from .graphs import StepGraphs, batch_buckets
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
-from .policy import SpecPolicy, tree_sizes
+from .policy import Acceptance, SpecPolicy, tree_sizes
 from .request import Request, RequestOutput, SamplingParams, Status
-from .sampling import SamplingBatch, draw_uniforms, sample_from_probs, token_logprobs
+from .sampling import SamplingBatch, positional_uniforms, sample_from_probs, seed_bits, token_logprobs
 from .scheduler import Scheduler
 from .stopping import check_stop_strings, commit_tokens
 
@@ -202,16 +202,64 @@ class Engine:
             # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
             self.graphs.capture_all(tree_sizes(self.num_nodes))
         self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every)
+        self._buckets = self.graphs.buckets if self.graphs is not None else batch_buckets(self.config.max_running)
+        if self.graphs is not None and self.policy.mode == "auto":
+            self.graphs.calibrate(self.policy.costs, self.policy.sizes)
+        self._acceptance: dict[str, Acceptance] = {}
         self.relay = OverlapRelay.empty(1, self.device)
         # The relay whose requests the device drafter's next chains were drafted for (in its order).
         self._chains_for: OverlapRelay | None = None
-        self._last_done: tuple[str, float] | None = None
+        self._last_kind: str | None = None
         self._last_end = None
         self.inflight: InflightStep | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._seeds = torch.Generator().manual_seed(self.config.seed)
+
+    # ------------------------------------------------------------------ one-time work
+
+    def warm_up(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+                max_batch: int | None = None) -> float:
+        """Do now the one-time work that serving ``prompts`` would otherwise do on its first pass,
+        and return the seconds it took: the prompts run (in batches of ``max_batch``, default the
+        engine's ``max_running``) for a few tokens each, which compiles the kernels of their shapes
+        and captures their prefill graphs (on a host runtime the first prompt alone, which compiles
+        the CPU kernels); where steps are captured and ``params`` samples or
+        wants log-probabilities, the forward graphs of every batch bucket and tree size are
+        captured too. Then :meth:`forget_drafts`, so that what the prompts taught the drafter does
+        not help the real run, and the statistics and the seeds of unseeded requests start again.
+        Greedy decode and verify steps were captured when the engine was made. Nothing may be in
+        the engine."""
+        if self.has_unfinished():
+            raise ValueError("warm_up: the engine still has requests; warm it up before queuing any")
+        start = time.perf_counter()
+        params = params or SamplingParams()
+        short = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, 4), "stop": ()})
+        size = max_batch or self.config.max_running
+        if self.backend.runtime.is_host:
+            prompts = prompts[:1]  # no graphs, and kernels that do not compile per shape: one prompt does
+        for i in range(0, len(prompts), size):
+            self.generate(list(prompts[i:i + size]), short)
+        if self.graphs is not None and (not params.greedy or params.logprobs):
+            self.graphs.capture_forwards(tree_sizes(self.num_nodes))
+        self.backend.runtime.synchronize()
+        self.forget_drafts()
+        self.stats = EngineStats()
+        self._seeds = torch.Generator().manual_seed(self.config.seed)
+        return time.perf_counter() - start
+
+    def forget_drafts(self) -> None:
+        """A new drafter and speculation policy, as a new engine would have, keeping the captured
+        graphs and the step costs the policy measured (they are the device's, not the text's): the
+        shared n-gram corpus keeps every output it saw, which must not help later requests that a
+        fresh engine would serve without it. A drafter on the device stays: it learns only from its
+        own request's tokens, which each prefill writes anew."""
+        if self.drafter is not None:
+            self.drafter = make_drafter(self.config.drafter)
+            self.drafter.prepare()
+        self.policy = SpecPolicy(self.num_nodes, self.config.spec_policy, self.config.probe_every,
+                                 costs=self.policy.costs)
 
     # ------------------------------------------------------------------ requests
 
@@ -266,7 +314,7 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-            req.generator = torch.Generator().manual_seed(seed)
+            req.seed = seed_bits(seed)
         error = self.sched.check(req)
         self._requests[req.rid] = req
         if error is not None:
@@ -382,7 +430,10 @@ class Engine:
             return True
         if self.lookup is not None:
             return False
-        return not self._drafter_busy() and self.policy.peek() > 1
+        if self._drafter_busy():
+            return False
+        running = self.sched.running
+        return self.policy.peek(self._bucket(len(running)), self._acceptances(running)) > 1
 
     def _drafter_busy(self) -> bool:
         """In ``auto``: the drafter still records in the background (a batch of prompts); steps
@@ -430,7 +481,8 @@ class Engine:
         if sampling.all_greedy:
             tokens = logits.argmax(-1)
         else:
-            tokens = sample_from_probs(sampling.probs(logits), up(draw_uniforms([r.generator for r in reqs], 1)[:, 0]))
+            # The first new token takes position len(prompt).
+            tokens = sample_from_probs(sampling.probs(logits), positional_uniforms(self._seed_rows(reqs, 1), lens_dev))
         relay = OverlapRelay(tokens, torch.ones(B, dtype=torch.int64, device=self.device), lens_dev, 1)
         self.relay = self.relay.merge(relay)
         logprobs = None
@@ -455,9 +507,13 @@ class Engine:
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
         up, be, D = self.transfer.upload, self.backend, self.num_nodes
-        n = size = 1 if self._drafter_busy() else self.policy.choose()
         B = len(reqs)
+        bucket = self._bucket(B)
+        acceptances = self._acceptances(reqs)
+        n = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances)
+        offered = [n - 1] * B
         if n > 1 and self.drafter is not None:
+            size = n
             draft = self.drafter.draft([r.rid for r in reqs], n)
             self.stats.draft_s += time.perf_counter() - start
             # Nodes past every tree's drafted count are padding: run the step on the first n of
@@ -466,6 +522,7 @@ class Engine:
             if self.graphs is not None and n > 1:
                 # Captured shapes: round up to a power of two (more padding nodes, fewer graphs).
                 n = min(size, 1 << (n - 1).bit_length())
+            offered = [min(n, d) - 1 for d in draft.drafted.tolist()]
         # Device time starts here: the drafting above is host time the device may spend idle.
         begin = self._begin()
         bounds = [r.seq_bound(D) for r in reqs]
@@ -505,8 +562,16 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.tree_nodes += n
         step = self._ship("decode", reqs, result, logprobs, start, begin)
-        step.tree_size = size
+        step.tree_size, step.bucket, step.offered = n, bucket, offered
         return step
+
+    def _bucket(self, batch_size: int) -> int:
+        """The batch bucket whose step costs a batch of ``batch_size`` requests shares."""
+        return next(b for b in self._buckets if b >= batch_size)
+
+    def _acceptances(self, reqs: list[Request]) -> list[Acceptance]:
+        """Each request's record of accepted drafts (a new one for a request's first verify step)."""
+        return [self._acceptance.setdefault(r.rid, Acceptance()) for r in reqs]
 
     def _verify_step(self, reqs: list[Request], tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, n: int, max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:
@@ -529,9 +594,9 @@ class Engine:
         if sampling.all_greedy:
             out = verify_greedy(be, tree, logits)
         else:
-            coins = up(draw_uniforms([r.generator for r in reqs], n + 1))
-            out = verify_sample(be, tree, sampling.probs(logits), uniform_samples=coins[:, :n].contiguous(),
-                                uniform_final=coins[:, n].contiguous())
+            # The token after node i takes the position after it (see ngram_hal.engine.sampling).
+            uniforms = positional_uniforms(self._seed_rows(reqs, n), tree.positions + 1)
+            out = verify_tokens(be, tree, sample_from_probs(sampling.probs(logits), uniforms))
         result = commit(be, self.kv, out, out_cache_loc, r2t, rows, seq_lens)
         logprobs = None
         if any(r.params.logprobs for r in reqs):
@@ -539,6 +604,11 @@ class Engine:
             index = out.accept_index.view(-1)
             logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
         return result, logprobs
+
+    def _seed_rows(self, reqs: list[Request], rows: int) -> torch.Tensor:
+        """Each request's seed bits repeated for its ``rows`` rows, on the device (0 for greedy ones)."""
+        seeds = torch.tensor([r.seed or 0 for r in reqs], dtype=torch.int64).repeat_interleave(rows)
+        return self.transfer.upload(seeds)
 
     def _ship(self, kind: str, reqs: list[Request], relay: OverlapRelay, logprobs: torch.Tensor | None,
               start: float, begin) -> InflightStep:
@@ -559,7 +629,7 @@ class Engine:
         D = step.num_nodes
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
-        ended, fed, rows, committed, slowest = [], [], 0, 0, None
+        ended, fed, rows, committed = [], [], 0, 0
         for b, r in enumerate(step.reqs):
             r.inflight -= 1
             if r.finished:
@@ -571,7 +641,7 @@ class Engine:
                 r.verify_steps += 1
                 rows += 1
                 committed += n
-                slowest = n if slowest is None else min(slowest, n)
+                self._acceptance[r.rid].add(step.offered[b], n - 1)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)
@@ -586,7 +656,7 @@ class Engine:
                     self.drafter.prepare()
         self._release(ended)
         step.absorbed = True
-        self._observe(step, rows, committed, slowest, self._time_device(step))
+        self._observe(step, rows, committed, self._time_device(step))
         self.stats.wait_s += step.wait_s
         elapsed = time.perf_counter() - start
         if critical:
@@ -617,22 +687,18 @@ class Engine:
         self._last_end = step.event
         return interval
 
-    def _observe(self, step: InflightStep, rows: int, committed: int, slowest: int | None,
-                 interval: float | None) -> None:
-        """Feed a finished step to the statistics and the speculation policy (``slowest``: the
-        fewest tokens a request committed, what the policy scores): its time is the
-        device's ``interval`` since the previous step ended where the runtime times it, else the
-        host's since it saw the previous step done."""
-        done = step.done_at
+    def _observe(self, step: InflightStep, rows: int, committed: int, interval: float | None) -> None:
+        """Feed a finished step to the statistics and the speculation policy. A step's time is the
+        device's ``interval`` since the previous step ended where the runtime times it (None
+        after a prefill); on a host runtime, where a step computes inside its launch, the launch's
+        host time (drafting included)."""
         if step.kind == "decode":
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
-            last = self._last_done
-            seconds = None
-            if last is not None and last[0] == "decode":
-                seconds = interval if not self.backend.runtime.is_host else done - last[1]
-            self.policy.observe(step.tree_size, rows, committed, seconds, slowest)
-        self._last_done = (step.kind, done)
+            seconds = step.launch_s if self.backend.runtime.is_host else interval
+            if rows and self._last_kind == "decode":
+                self.policy.observe(step.bucket, step.tree_size, seconds)
+        self._last_kind = step.kind
 
     def _process(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:
         """Text level: stop strings and detokenization, outputs, freeing finished requests."""
@@ -668,6 +734,8 @@ class Engine:
         if self.drafter is not None:
             for r in held:
                 self.drafter.erase(r.rid)
+        for r in held:
+            self._acceptance.pop(r.rid, None)
         self.sched.release(held)
 
     def _report(self, req: Request, pending: bool = True) -> RequestOutput:

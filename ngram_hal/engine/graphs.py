@@ -218,6 +218,30 @@ class StepGraphs:
             for padded in self.buckets:
                 self._step(padded, nodes)
 
+    def capture_forwards(self, node_sizes) -> None:
+        """Capture the forward of every batch bucket for each tree size in ``node_sizes`` now (the
+        steps that sample or want log-probabilities run it)."""
+        for nodes in node_sizes:
+            for padded in self.buckets:
+                self._forward(padded, nodes)
+
+    def calibrate(self, costs, node_sizes, replays: int = 3) -> None:
+        """Time the captured greedy step of every batch bucket for each tree size in ``node_sizes``
+        and give each time to ``costs`` (a :class:`~ngram_hal.engine.policy.StepCosts`) as that
+        key's calibration. Must run before any step is loaded: the replays then run the inputs
+        of capture, which store nothing."""
+        begin, end = self.runtime.new_event(enable_timing=True), self.runtime.new_event(enable_timing=True)
+        for nodes in node_sizes:
+            for padded in self.buckets:
+                _, graph = self._step(padded, nodes)
+                graph.replay()
+                begin.record(self.runtime.current_stream())
+                for _ in range(replays):
+                    graph.replay()
+                end.record(self.runtime.current_stream())
+                end.synchronize()
+                costs.calibrate(padded, nodes, begin.elapsed_time(end) / 1e3 / replays)
+
     def greedy_step(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
                     seq_lens: torch.Tensor, nodes: int) -> OverlapRelay:
         """Replay the greedy verify step of B requests (see :meth:`GreedyStep.load`); the relay

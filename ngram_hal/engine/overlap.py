@@ -52,7 +52,9 @@ class InflightStep:
         event: recorded after the copies; complete once the host buffers are valid.
         begin: recorded before the step's first device op (with ``event``, times the step).
         launch_s: host seconds spent enqueuing the step.
-        tree_size: the draft-tree size the speculation policy chose for a decode step.
+        tree_size: the nodes per request a decode step ran.
+        bucket: the batch bucket a decode step's cost is kept under.
+        offered: per request, the drafts a decode step offered it (None for a prefill).
     """
 
     kind: str
@@ -65,13 +67,13 @@ class InflightStep:
     begin: object = None
     launch_s: float = 0.0
     tree_size: int = 1
+    bucket: int = 1
+    offered: list[int] | None = None
     absorbed: bool = False
     wait_s: float = field(default=0.0)
-    done_at: float = field(default=0.0)
 
     def wait(self) -> None:
         """Block until the step's results are on the host; the time blocked goes to ``wait_s``."""
         start = time.perf_counter()
         self.event.synchronize()
-        self.done_at = time.perf_counter()
-        self.wait_s = self.done_at - start
+        self.wait_s = time.perf_counter() - start

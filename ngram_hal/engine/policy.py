@@ -1,63 +1,37 @@
-"""How many draft nodes a verify step runs: D always, or (``auto``) the size measured fastest.
+"""How many draft nodes the next verify step runs: D always, or (``auto``) the size that a cost
+model expects to commit the most tokens per second for the whole batch.
 
-A verify step over n nodes per request costs more than a plain decode step, and pays off only
-when enough drafts are accepted; which n wins depends on the batch (B*n rows go through the
-model), the device and the text. The ``auto`` policy measures while serving: for each tree size
-of 1, 2, 4, ... up to D it keeps a moving average of the tokens committed per request per step
-and the median time per request per step over its last few steps (the time between the
-completions of consecutive decode steps, so host overheads count too: the engine times it on the
-device where it can, see :meth:`observe`), and runs the size with the highest estimated tokens
-per second. The tokens it counts are those of the step's slowest request (the fewest any request
-committed): a batch is done when its slowest request is, so a size that makes every step dearer
-pays only when it speeds up all of the batch, not just its copy-heavy requests. (With one
-request that is simply its tokens per step.)
+``auto`` weighs two things, both measured while serving.
 
-A size counts as faster only by a margin: the best size is the smallest whose rate is within
-``margin`` (5%) of the highest. Where the host sets the pace (large batches), every size's time
-per step is about the same and their rates differ by timing noise; without the margin the choice
-would wander to larger trees that commit no more and cost the device more.
+* **What a step costs.** :class:`StepCosts` keeps the seconds of a verify step by batch bucket
+  and tree size (the median of its last few steps), timed on the device between the completions
+  of consecutive steps where the runtime can, so host overheads count too. Where steps are
+  captured the engine replays each captured size once per bucket when it starts
+  (:meth:`StepCosts.calibrate`), so the model knows every size before the first request; a size
+  not measured yet costs as much as the next smaller size measured (a guess that one step
+  corrects).
+* **What a step commits.** Every request keeps an :class:`Acceptance`: counts of the drafts it
+  accepted and of the drafts it rejected (the first wrong one of a step), over about its last ten
+  drafts. With each next draft accepted with probability
+  ``p = (accepted + 1/2) / (accepted + rejected + 1)``, a request offered ``m`` drafts
+  expects ``1 + p + ... + p**m`` tokens; ``m`` is ``n - 1`` for a tree of n nodes, or fewer
+  where the drafter found fewer (a host drafter's count of real nodes).
 
-It searches locally, from the plain step up: it starts at size 1 and tries the next larger size
-once the best size is known, climbing while each size beats the one below it, so a batch where
-speculation loses pays for one trial of size 2, not of every size. Every so often it runs one
-of the best size's neighbours instead (a probe; the one run least recently), so the choice
-follows the workload (a copy-heavy stretch starts, a batch grows). Probes cost: while the best
-size stays the same, the gap between probes doubles from ``probe_every`` up to
-``max_probe_every`` steps; when the best size changes, or a probe finds its size faster than
-estimated before (by a tenth or more), it drops back to ``probe_every``. Greedy output is
-unaffected: every step is exact whatever size it uses.
+The next size is the one with the highest ``sum of every request's expected tokens / step
+cost``: throughput of the whole batch, so copy-heavy requests speculate even beside open-ended
+ones, while a request with no match adds its one token to every size alike. The smallest size
+within ``margin`` (5%) of the best is taken, and plain steps unless speculation beats them by the
+margin; where the host sets the pace every size costs about the same and timing noise would
+otherwise pick larger trees. After ``probe_every`` plain steps in a row the next step runs two
+nodes, so that acceptance keeps following the text. Greedy output is unaffected: every step is
+exact whatever its size, and sampling draws by position (:mod:`ngram_hal.engine.sampling`).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-
-
-class _Average:
-    """An exponential moving average that is None until its first sample."""
-
-    def __init__(self, decay: float):
-        self.decay = decay
-        self.value: float | None = None
-
-    def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
-
-
-class _Median:
-    """The median of the last ``window`` samples (None before the first): one stalled step (a
-    collection, a page fault, another process) does not move it."""
-
-    def __init__(self, window: int):
-        self.samples: deque[float] = deque(maxlen=window)
-
-    def add(self, sample: float) -> None:
-        self.samples.append(sample)
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.samples) if self.samples else None
+from collections.abc import Sequence
 
 
 def tree_sizes(num_nodes: int) -> list[int]:
@@ -65,107 +39,141 @@ def tree_sizes(num_nodes: int) -> list[int]:
     return sorted({1, num_nodes} | {1 << i for i in range(1, num_nodes.bit_length()) if 1 << i < num_nodes})
 
 
+class Acceptance:
+    """One request's record of accepted drafts: every draft a verify step tried is a trial, a
+    success up to the first rejection, and each trial decays the counts before it by ``decay``
+    (so the record follows the last ten or so drafts)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.accepted = 0.0
+        self.rejected = 0.0
+
+    @property
+    def p(self) -> float:
+        """The estimated probability that the next draft is accepted, given the one before was
+        (one pseudo-trial at one half before any)."""
+        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+
+    def add(self, offered: int, accepted: int) -> None:
+        """A verify step offered ``offered`` drafts and the request accepted ``accepted`` of them."""
+        for _ in range(accepted):
+            self.accepted = self.decay * self.accepted + 1.0
+            self.rejected *= self.decay
+        if accepted < offered:
+            self.accepted *= self.decay
+            self.rejected = self.decay * self.rejected + 1.0
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a step commits with ``drafts`` drafts offered: ``1 + p + ... + p**drafts``."""
+        p = self.p
+        return drafts + 1.0 if p >= 1.0 else (1.0 - p ** (drafts + 1)) / (1.0 - p)
+
+
+class StepCosts:
+    """Seconds of a verify step by (batch bucket, tree size): the median of the last ``window``
+    measured steps, or the calibration value before any."""
+
+    def __init__(self, window: int = 5):
+        self.window = window
+        self._steps: dict[tuple[int, int], deque[float]] = {}
+        self._calibrated: dict[tuple[int, int], float] = {}
+
+    def add(self, bucket: int, nodes: int, seconds: float) -> None:
+        """A step of ``nodes`` nodes per request over a batch in ``bucket`` took ``seconds``."""
+        if seconds > 0:
+            self._steps.setdefault((bucket, nodes), deque(maxlen=self.window)).append(seconds)
+
+    def calibrate(self, bucket: int, nodes: int, seconds: float) -> None:
+        """A cost measured apart from serving (a replay of the captured step), used until steps are."""
+        if seconds > 0:
+            self._calibrated[(bucket, nodes)] = seconds
+
+    def measured(self, bucket: int, nodes: int) -> float | None:
+        """The known cost of the key, or None."""
+        samples = self._steps.get((bucket, nodes))
+        if samples:
+            return statistics.median(samples)
+        return self._calibrated.get((bucket, nodes))
+
+    def estimate(self, bucket: int, nodes: int, sizes: Sequence[int]) -> float | None:
+        """The key's cost, or (unknown) that of the largest smaller size in ``sizes`` known for the
+        bucket; None when no size of the bucket is known."""
+        for n in sorted((s for s in sizes if s <= nodes), reverse=True):
+            cost = self.measured(bucket, n)
+            if cost is not None:
+                return cost
+        return None
+
+
 class SpecPolicy:
     """Picks the draft-tree size of each verify step.
 
     Args:
         num_nodes: D, the largest speculative tree.
-        mode: ``"always"`` (every step uses D) or ``"auto"`` (the size in :func:`tree_sizes`
-            measured fastest).
-        probe_every: in ``auto``, the fewest steps between two probes of the size measured least
-            recently (the gap while the best size keeps changing).
-        max_probe_every: the most steps between two probes (the gap once the best size has held);
-            default ``8 * probe_every``.
-        decay: weight of the past in the moving average of the tokens per step.
-        window: steps of each size whose median time is its time per step.
-        margin: how much faster than every smaller size a size must be estimated to be chosen
-            (0.05: 5%).
+        mode: ``"always"`` (every step uses D) or ``"auto"`` (see the module docstring).
+        probe_every: in ``auto``, plain steps in a row after which a step of two nodes runs; the
+            gap doubles, up to ``8 * probe_every``, while such probes leave plain steps best.
+        margin: how much more throughput a larger size must promise to be chosen (0.05: 5%).
+        costs: the step costs to start from (those of an earlier policy of the same engine).
     """
 
-    def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, decay: float = 0.7,
-                 max_probe_every: int | None = None, window: int = 5, margin: float = 0.05):
+    def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, margin: float = 0.05,
+                 costs: StepCosts | None = None):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
         if not margin >= 0:
             raise ValueError(f"margin: expected a number >= 0, got {margin!r}")
         self.num_nodes = num_nodes
         self.mode = mode
-        self.margin = margin
         self.probe_every = probe_every
-        self.max_probe_every = max(probe_every, max_probe_every if max_probe_every is not None else 8 * probe_every)
-        self._gap = probe_every
-        self._next_probe = probe_every
-        self._best: int | None = None
+        self.margin = margin
+        self.costs = costs if costs is not None else StepCosts()
         self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
-        self._tokens = {n: _Average(decay) for n in self.sizes}
-        self._seconds = {n: _Median(window) for n in self.sizes}
-        self._last_run = {n: 0 for n in self.sizes}
-        self._steps = 0
         self.chosen = {n: 0 for n in self.sizes}
+        self._plain_run = 0
+        self._probe_gap = probe_every
 
-    def rate(self, nodes: int) -> float | None:
-        """Estimated tokens per request-second with ``nodes``, or None before it has been measured."""
-        tokens, seconds = self._tokens[nodes].value, self._seconds[nodes].value
-        if tokens is None or seconds is None or seconds <= 0:
+    def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance]) -> float | None:
+        """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``;
+        None while no cost of the bucket is known."""
+        cost = self.costs.estimate(bucket, nodes, self.sizes)
+        if cost is None:
             return None
-        return tokens / seconds
+        return sum(a.expected_tokens(nodes - 1) for a in requests) / cost
 
-    def _decide(self) -> tuple[int, int | None, bool]:
-        """The next size, the best size measured (None before any) and whether the next size is a
-        probe, from the state as it is."""
+    def peek(self, bucket: int, requests: Sequence[Acceptance]) -> int:
+        """The size :meth:`choose` would return now for ``requests`` in ``bucket``, choosing nothing."""
         if len(self.sizes) == 1:
-            return self.sizes[0], None, False
-        measured = [n for n in self.sizes if self.rate(n) is not None]
-        if not measured:
-            return self.sizes[0], None, False
-        top = max(self.rate(n) for n in measured)
-        best = next(n for n in measured if self.rate(n) * (1 + self.margin) >= top)
-        i = self.sizes.index(best)
-        above = self.sizes[i + 1] if i + 1 < len(self.sizes) else None
-        if above is not None and self.rate(above) is None:
-            return above, best, False
-        if best == self._best and self._steps + 1 >= self._next_probe:
-            neighbours = self.sizes[max(i - 1, 0):i] + self.sizes[i + 1:i + 2]
-            return min(neighbours, key=self._last_run.__getitem__), best, True
-        return best, best, False
+            return self.sizes[0]
+        if self._plain_run >= self._probe_gap:
+            return self.sizes[1]
+        if self.costs.measured(bucket, 1) is None:
+            return 1
+        rates = {n: self.rate(bucket, n, requests) for n in self.sizes}
+        top = max(rates.values())
+        return next(n for n in self.sizes if rates[n] * (1 + self.margin) >= top)
 
-    def peek(self) -> int:
-        """The size :meth:`choose` would return now, without choosing it."""
-        return self._decide()[0]
-
-    def choose(self) -> int:
-        """The draft-tree size of the next verify step."""
-        nodes, best, probe = self._decide()
-        self._steps += 1
-        if best is not None and best != self._best:
-            self._best, self._gap = best, self.probe_every
-            self._next_probe = self._steps + self._gap
-        if probe:
-            self._gap = min(2 * self._gap, self.max_probe_every)
-            self._next_probe = self._steps + self._gap
-        self._last_run[nodes] = self._steps
+    def choose(self, bucket: int, requests: Sequence[Acceptance]) -> int:
+        """The draft-tree size of the next verify step of ``requests`` in batch ``bucket``."""
+        nodes = self.peek(bucket, requests)
+        if nodes == 1:
+            self._plain_run += 1
+        else:
+            probe = self._plain_run >= self._probe_gap
+            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if probe else self.probe_every
+            self._plain_run = 0
         self.chosen[nodes] += 1
         return nodes
 
-    def observe(self, nodes: int, rows: int, tokens: int, seconds: float | None, slowest: int | None = None) -> None:
-        """A finished verify step run at size ``nodes`` (as :meth:`choose` gave it, even when the
-        step was cut short to fewer drafted nodes): ``rows`` requests committed ``tokens`` in
-        ``seconds``, the time from the previous decode step's completion to this one's (None
-        when that is not a clean per-step sample, e.g. a prefill ran in between). ``slowest``:
-        the fewest tokens one of those requests committed, the step's score (None: the mean,
-        ``tokens / rows``).
+    def observe(self, bucket: int, nodes: int, seconds: float | None) -> None:
+        """A verify step ran ``nodes`` nodes per request (after any cut to the drafts' size) over a
+        batch in ``bucket`` in ``seconds``: the device time from the previous decode step's
+        completion to this one's, or None when that is no clean sample (a prefill ran between).
 
         Where steps overlap, the completions must be read on the device: the host learns of a
         step's completion only when it waits for it, which for an overlapped step is after it
         has launched the next one, so host times move the launch cost of a step onto the one
         before it."""
-        if rows == 0:
-            return
-        before = self.rate(nodes)
-        self._tokens[nodes].add(tokens / rows if slowest is None else slowest)
         if seconds is not None:
-            self._seconds[nodes].add(seconds / rows)
-        after = self.rate(nodes)
-        if nodes != self._best and before is not None and after is not None and after > 1.1 * before:
-            self._gap = self.probe_every
-            self._next_probe = min(self._next_probe, self._steps + self._gap)
+            self.costs.add(bucket, nodes, seconds)

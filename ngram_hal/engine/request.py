@@ -7,11 +7,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Annotated
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .detokenizer import IncrementalDetokenizer
 
+
+SEED_LIMIT = 2**64
+"""Seeds are ints in ``[0, SEED_LIMIT)``, the 64 bits a request's random numbers are drawn from."""
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+"""A request's seed; a value outside ``[0, 2**64)`` is refused, not folded onto another seed."""
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy: the distribution is one-hot for all practical purposes,
@@ -23,8 +27,11 @@ class SamplingParams(BaseModel):
 
     ``temperature`` below :data:`GREEDY_BELOW` (0 included) is greedy. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off.
-    ``seed`` makes a sampled request reproducible given the same drafts (the same engine settings
-    and request history: the drafts decide which tokens the verify tries first). Generation
+    ``seed`` makes a sampled request reproducible: the random number behind the token at each
+    position depends only on the seed and that position, so the same seed commits the same
+    tokens whatever the drafts, tree sizes or batch (up to the model's float rounding); it is an
+    int in ``[0, 2**64)``. Every field is checked when the params are made, so an engine is never
+    given a value it cannot use. Generation
     stops at the first of: ``max_new_tokens`` committed tokens, a token in ``stop_token_ids``
     (or the model's end-of-sequence token unless ``ignore_eos``), or a string of ``stop`` in the
     decoded text (the text is cut before it). With ``logprobs`` every committed token carries
@@ -36,7 +43,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: Seed | None = None
     max_new_tokens: int = Field(128, ge=1)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
@@ -117,7 +124,7 @@ class Request:
     inflight: int = 0
     verify_steps: int = 0
     stop_ids: frozenset[int] = frozenset()
-    generator: torch.Generator | None = None
+    seed: int | None = None
     detok: IncrementalDetokenizer | None = None
     emitted_tokens: int = 0
     emitted_text: int = 0

@@ -1,8 +1,13 @@
-"""Batched sampling: target distributions per tree node, random coins, first-token sampling.
+"""Batched sampling: target distributions per tree node, random numbers by position, inverse CDF.
 
-Random numbers are drawn on the host from each request's own ``torch.Generator`` (seeded from
-``SamplingParams.seed``, else from the engine's seed), so a seeded request samples the same
-tokens on every device for a given speculation setting, whatever else is in its batch.
+The random number behind the token a request commits at position ``p`` is
+:func:`positional_uniforms` of the request's seed (``SamplingParams.seed``, else one drawn from
+the engine's seed) and ``p``, computed on the device by a counter-based hash. A seeded request
+therefore commits the same tokens whatever the tree sizes, drafts, batch or timing of its steps:
+a verify step samples the target's token after every tree node with the number of the position
+that token would take, and accepts a draft exactly when it equals that sample (verify against the
+sampled tokens), which is the same token plain decoding draws there. The committed tokens are
+distributed as the target (each is an inverse-CDF draw with its own uniform).
 """
 
 from __future__ import annotations
@@ -65,11 +70,37 @@ class SamplingBatch:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], count: int) -> torch.Tensor:
-    """Host float32[B, count] uniforms in [0, 1): row b from ``generators[b]``, zeros where it is None."""
-    rows = [torch.rand(count, generator=g, dtype=torch.float32) if g is not None
-            else torch.zeros(count, dtype=torch.float32) for g in generators]
-    return torch.stack(rows) if rows else torch.empty((0, count), dtype=torch.float32)
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MIX = (_int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical (unsigned) right shift of int64 ``x``."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 bits (products wrap modulo 2**64)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX[0]
+    z = (z ^ _shift_right(z, 27)) * _MIX[1]
+    return z ^ _shift_right(z, 31)
+
+
+def seed_bits(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 :func:`positional_uniforms` takes."""
+    return _int64(seed % (1 << 64))
+
+
+def positional_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float32[N] in [0, 1) with 24 random bits: a hash of ``seeds`` (int64[N], from
+    :func:`seed_bits`) and ``positions`` (int64[N]), the same on every device and in every batch."""
+    z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN)
+    return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

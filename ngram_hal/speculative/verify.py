@@ -120,8 +120,14 @@ def verify_greedy(backend: Backend, tree: TreeBatch, logits: torch.Tensor) -> Ve
     """Greedy verify against the target's logits float[B*D, V] (row ``b*D + i``: after node i)."""
     B, D = tree.batch_size, tree.num_nodes
     c.check_float("verify_greedy", "logits", logits, backend.device, shape=(B * D, None))
-    target_predict = logits.argmax(-1).view(B, D)
-    return VerifyOutput(*backend.verify_tree_greedy(tree.candidates, *tree.retrieve, target_predict))
+    return verify_tokens(backend, tree, logits.argmax(-1))
+
+
+def verify_tokens(backend: Backend, tree: TreeBatch, target_tokens: torch.Tensor) -> VerifyOutput:
+    """Verify against the target's own token after each node, int64[B*D] (its argmax, or a token
+    it sampled there): a draft is accepted exactly when it equals that token."""
+    B, D = tree.batch_size, tree.num_nodes
+    return VerifyOutput(*backend.verify_tree_greedy(tree.candidates, *tree.retrieve, target_tokens.view(B, D)))
 
 
 def verify_sample(backend: Backend, tree: TreeBatch, probs: torch.Tensor,

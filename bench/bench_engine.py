@@ -1,9 +1,10 @@
 """Engine matrix: batch sizes x plain/speculative/auto x graphs and overlap on/off, and the batch-invariant mode.
 
-For each batch size B, B requests cycling over the prompts taken kind by kind in turn (the bundled
-ones by default; at B = 1 each prompt runs alone, one after another), so that every batch of four
-or more mixes copy-heavy and open-ended requests; greedy; these runs (``--runs`` picks some; D0 is
-the first of ``--spec-nodes``):
+For each batch size B, max(B, prompts) requests cycling over the prompts taken kind by kind in
+turn (the bundled ones by default) go through an engine of B running requests, continuous
+batching refilling the batch as requests finish, so that every batch of four or more mixes
+copy-heavy and open-ended requests; at B = 1 each prompt runs alone, one after another; greedy;
+these runs (``--runs`` picks some; D0 is the first of ``--spec-nodes``):
 
   plain, plain-nooverlap, plain-nographs,    plain decode (D = 1), captured graphs and the overlap
   plain-nographs-nooverlap                   loop each on or off
@@ -569,8 +570,8 @@ def bench(args: argparse.Namespace) -> int:
     invariant = None  # (model, status, reason), once the first invariant run asks for it
     for batch in args.batch_sizes:
         mixed = mixed_order(specs)
-        work = Workload(setup, batch, [mixed[i % len(mixed)] for i in range(batch)] if batch > 1 else list(specs),
-                        prompt_lens, args)
+        requests = [mixed[i % len(mixed)] for i in range(max(batch, len(mixed)))] if batch > 1 else list(specs)
+        work = Workload(setup, batch, requests, prompt_lens, args)
         partner = None
         if args.repeats > 1:
             with status.status(f"B={batch}: the plain engine that alternates with each run ..."):

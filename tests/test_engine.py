@@ -563,3 +563,32 @@ def test_seeded_sampling_commits_the_same_tokens_whatever_the_speculation(model,
         assert_all_free(engine)
     assert runs[0] == runs[1] == plain
     assert speculated > 0, "no draft was accepted: the comparison would not involve speculation"
+
+
+def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, reference):
+    """Under ``auto`` with the device drafter, a plain step still learns from its drafts: each
+    request's first draft (drafted on the device anyway) is compared with the token the step
+    committed, and the request's acceptance record counts it; the tokens stay exact."""
+    engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy="auto")
+    engine.policy.peek = engine.policy.choose = lambda bucket, requests: 1
+    scored, records = [], {}
+    absorb, acceptances = engine._absorb, engine._acceptances
+
+    def record(step, critical):
+        if step.kind == "decode":
+            scored.append(step.shadow.tolist())
+        absorb(step, critical)
+
+    def keep(reqs):
+        found = acceptances(reqs)
+        records.update({r.rid: a for r, a in zip(reqs, found)})
+        return found
+
+    engine._absorb, engine._acceptances = record, keep
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert scored and all(s is not None for s in scored)
+    hits = sum(map(sum, scored))
+    assert 0 < hits < sum(map(len, scored)), "the loops of the model's greedy output are drafted, not all of it"
+    assert all(a.accepted + a.rejected > 0 for a in records.values())
+    assert_all_free(engine)

@@ -530,10 +530,18 @@ class Engine:
         relay = self.relay
         seq_lens = relay.new_seq_lens
         rows = up([r.row for r in reqs])
+        guess = None
         if self.lookup is not None:
             # The chains the previous step drafted for this very batch, or a launch that drafts them.
-            tokens = (self.lookup.chains_ahead(B, n) if self._chains_for is relay
-                      else self.lookup.draft(rows, relay, n))
+            # A plain step under auto keeps each chain's first draft, to score it against the token
+            # the step commits (the device drafts it anyway): acceptance keeps following the text.
+            width = 2 if n == 1 and self.policy.mode == "auto" else n
+            chains = (self.lookup.chains_ahead(B, width) if self._chains_for is relay
+                      else self.lookup.draft(rows, relay, width).view(B, width))
+            tokens = chains[:, :n]
+            if width > n:
+                guess = chains[:, 1].clone()
+                offered = [1] * B
             tree_mask = None
         elif n > 1:
             drafts = up(draft.tokens.view(B, -1)[:, 1:n].contiguous())
@@ -561,7 +569,8 @@ class Engine:
             r.inflight += 1
         self.stats.decode_steps += 1
         self.stats.tree_nodes += n
-        step = self._ship("decode", reqs, result, logprobs, start, begin)
+        shadow = None if guess is None else guess == result.accept_tokens
+        step = self._ship("decode", reqs, result, logprobs, start, begin, shadow)
         step.tree_size, step.bucket, step.offered = n, bucket, offered
         return step
 
@@ -611,12 +620,12 @@ class Engine:
         return self.transfer.upload(seeds)
 
     def _ship(self, kind: str, reqs: list[Request], relay: OverlapRelay, logprobs: torch.Tensor | None,
-              start: float, begin) -> InflightStep:
+              start: float, begin, shadow: torch.Tensor | None = None) -> InflightStep:
         down = self.transfer.download
         runtime = self.backend.runtime
         step = InflightStep(kind, reqs, relay.num_nodes, down(relay.accept_tokens), down(relay.accept_lens),
                             None if logprobs is None else down(logprobs), runtime.new_event(enable_timing=True),
-                            begin=begin)
+                            begin=begin, shadow=None if shadow is None else down(shadow))
         step.event.record(runtime.current_stream())
         step.launch_s = time.perf_counter() - start
         self.stats.launch_s += step.launch_s
@@ -628,6 +637,7 @@ class Engine:
         start = time.perf_counter()
         D = step.num_nodes
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
+        shadow = step.shadow.tolist() if step.shadow is not None else None
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
         ended, fed, rows, committed = [], [], 0, 0
         for b, r in enumerate(step.reqs):
@@ -641,7 +651,7 @@ class Engine:
                 r.verify_steps += 1
                 rows += 1
                 committed += n
-                self._acceptance[r.rid].add(step.offered[b], n - 1)
+                self._acceptance[r.rid].add(step.offered[b], int(shadow[b]) if shadow is not None else n - 1)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)

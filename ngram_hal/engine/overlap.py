@@ -55,6 +55,8 @@ class InflightStep:
         tree_size: the nodes per request a decode step ran.
         bucket: the batch bucket a decode step's cost is kept under.
         offered: per request, the drafts a decode step offered it (None for a prefill).
+        shadow: host bool[B] or None: for a plain step, whether each request's first draft (drafted
+            on the device, not run) equals the token the step committed.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class InflightStep:
     logprobs: torch.Tensor | None
     event: object
     begin: object = None
+    shadow: torch.Tensor | None = None
     launch_s: float = 0.0
     tree_size: int = 1
     bucket: int = 1

@@ -67,8 +67,9 @@ class EngineConfig(BaseModel):
     """Engine settings.
 
     ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
-    ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever is
-    measured fastest (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. With a host drafter
+    ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever a cost
+    model expects to commit the most tokens per second for the whole batch
+    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. With a host drafter
     (``"trie"``, ``"linear"``) a speculative step runs only as many tree nodes as the fullest draft
     of the batch holds: a plain decode step (1 node) when the drafter found nothing for any
     request. ``"device"`` drafts the linear drafter's chains on the device

@@ -4,27 +4,29 @@ model expects to commit the most tokens per second for the whole batch.
 ``auto`` weighs two things, both measured while serving.
 
 * **What a step costs.** :class:`StepCosts` keeps the seconds of a verify step by batch bucket
-  and tree size (the median of its last few steps), timed on the device between the completions
-  of consecutive steps where the runtime can, so host overheads count too. Where steps are
-  captured the engine replays each captured size once per bucket when it starts
-  (:meth:`StepCosts.calibrate`), so the model knows every size before the first request; a size
-  not measured yet costs as much as the next smaller size measured (a guess that one step
-  corrects).
+  and tree size (the median of its last few steps): on the device, between the completions of
+  consecutive steps, so host overheads count too; on a host runtime, where a step computes
+  inside its launch, the launch's time. Where steps are captured the engine replays each
+  captured size once per bucket when it starts (:meth:`StepCosts.calibrate`), so the model knows
+  every size before the first request; a size not measured yet costs as much as the next smaller
+  size measured (a guess that one step corrects).
 * **What a step commits.** Every request keeps an :class:`Acceptance`: counts of the drafts it
   accepted and of the drafts it rejected (the first wrong one of a step), over about its last ten
-  drafts. With each next draft accepted with probability
-  ``p = (accepted + 1/2) / (accepted + rejected + 1)``, a request offered ``m`` drafts
-  expects ``1 + p + ... + p**m`` tokens; ``m`` is ``n - 1`` for a tree of n nodes, or fewer
-  where the drafter found fewer (a host drafter's count of real nodes).
+  drafts, counting only the drafts a step really offered it (a host drafter may find fewer than
+  ``n - 1``; with the device drafter a plain step offers each request's first draft, drafted
+  anyway, and scores it against the token it committed). With each next draft accepted with
+  probability ``p = (accepted + 1/2) / (accepted + rejected + 1)``, a step of n nodes is expected
+  to commit ``1 + p + ... + p**(n-1)`` tokens of the request.
 
 The next size is the one with the highest ``sum of every request's expected tokens / step
 cost``: throughput of the whole batch, so copy-heavy requests speculate even beside open-ended
-ones, while a request with no match adds its one token to every size alike. The smallest size
-within ``margin`` (5%) of the best is taken, and plain steps unless speculation beats them by the
-margin; where the host sets the pace every size costs about the same and timing noise would
-otherwise pick larger trees. After ``probe_every`` plain steps in a row the next step runs two
-nodes, so that acceptance keeps following the text. Greedy output is unaffected: every step is
-exact whatever its size, and sampling draws by position (:mod:`ngram_hal.engine.sampling`).
+ones, while a request that accepts nothing adds about one token to every size alike. The
+smallest size within ``margin`` (5%) of the best is taken, and plain steps unless speculation
+beats them by the margin; where the host sets the pace every size costs about the same and
+timing noise would otherwise pick larger trees. After ``probe_every`` plain steps in a row the
+next step runs two nodes (the gap doubling, up to eight times, while plain stays best), so that
+acceptance follows the text where nothing else scores drafts. Greedy output is unaffected: every
+step is exact whatever its size, and sampling draws by position (:mod:`ngram_hal.engine.sampling`).
 """
 
 from __future__ import annotations

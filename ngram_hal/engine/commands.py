@@ -33,6 +33,7 @@ from .engine import EngineConfig
 from .gguf_loader import find_model_file
 from .progress import Status
 from .request import SamplingParams
+from .scheduler import request_room
 from .tokenizer import Tokenizer
 from .workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
@@ -162,18 +163,18 @@ def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, 
                       num_slots: int, nodes_option: str) -> str | None:
     """Why the engine would refuse a prompt of ``prompt_tokens`` tokens, or None when it takes it.
 
-    The engine's rule (:meth:`Scheduler.check <ngram_hal.engine.scheduler.Scheduler.check>`): a
-    request keeps ``3 * spec_nodes`` positions of its ``max_context_len`` for draft trees and needs
-    one more for an output token; its output is cut to what is left, and the prompt, that output
-    and the draft trees must fit ``num_slots`` KV slots. ``nodes_option`` names the option that
-    set ``spec_nodes`` (``"--spec-nodes 8"``).
+    The engine's rule (:func:`~ngram_hal.engine.scheduler.request_room`, which
+    :meth:`Scheduler.check <ngram_hal.engine.scheduler.Scheduler.check>` applies): a request keeps
+    ``3 * spec_nodes`` positions of its ``max_context_len`` for draft trees and needs one more for
+    an output token, and the prompt, its output and the draft trees must fit ``num_slots`` KV
+    slots. ``nodes_option`` names the option that set ``spec_nodes`` (``"--spec-nodes 8"``).
     """
     n, trees = prompt_tokens, 3 * spec_nodes
-    room = max_context_len - n - trees
-    if room < 1:
+    fit = request_room(n, max_new_tokens, spec_nodes, max_context_len)
+    if fit is None:
         return (f"{n} prompt tokens; --max-context-len {max_context_len} holds at most {max_context_len - trees - 1} "
                 f"with {nodes_option} ({trees} positions stay free for draft trees)")
-    budget = n + min(max_new_tokens, room) + trees
+    budget = fit[1]
     if budget > num_slots:
         return (f"{n} prompt tokens need {budget} KV slots with their output and draft trees; "
                 f"--num-slots {num_slots} holds fewer")

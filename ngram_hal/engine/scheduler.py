@@ -22,6 +22,18 @@ from .overlap import Transfer
 from .request import Request, Status
 
 
+def request_room(prompt_len: int, max_new_tokens: int, num_nodes: int, max_context_len: int) -> tuple[int, int] | None:
+    """The output tokens and the slot budget of a request of ``prompt_len`` prompt tokens asking
+    for ``max_new_tokens``, with ``3 * num_nodes`` of its ``max_context_len`` positions kept for
+    draft trees: its output is cut to what the context leaves, and it may hold up to prompt +
+    output + trees slots. None when the prompt leaves no room for one output token."""
+    room = max_context_len - prompt_len - 3 * num_nodes
+    if room < 1:
+        return None
+    output = min(max_new_tokens, room)
+    return output, prompt_len + output + 3 * num_nodes
+
+
 class Scheduler:
     """Waiting queue, running set, request-pool rows and KV slots.
 
@@ -58,12 +70,11 @@ class Scheduler:
         n, D, M = len(req.prompt_ids), self.num_nodes, self.pool.max_context_len
         if n == 0:
             return "empty prompt"
-        room = M - n - 3 * D
-        if room < 1:
+        fit = request_room(n, req.params.max_new_tokens, D, M)
+        if fit is None:
             return (f"prompt of {n} tokens does not fit the context of {M} positions "
                     f"(at most {M - 3 * D - 1} prompt tokens with {D} draft nodes)")
-        req.max_new_tokens = min(req.params.max_new_tokens, room)
-        req.slot_budget = n + req.max_new_tokens + 3 * D
+        req.max_new_tokens, req.slot_budget = fit
         if req.slot_budget > self.slots.num_slots:
             return f"needs up to {req.slot_budget} KV slots; the cache holds {self.slots.num_slots}"
         return None

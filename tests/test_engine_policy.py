@@ -54,36 +54,42 @@ def test_always_uses_d():
     assert simulate(SpecPolicy(8, "always"), [0.0], {8: 1.0}, 10) == [8] * 10
 
 
-def test_acceptance_estimates_the_chance_of_the_next_draft():
+def test_acceptance_estimates_the_first_and_the_following_drafts():
     record = Acceptance()
-    assert record.p == 0.5 and record.expected_tokens(0) == 1.0
+    assert record.p_first == record.p_next == 0.5 and record.expected_tokens(0) == 1.0
     for _ in range(30):
         record.add(7, 7)  # every draft accepted: no rejection seen
-    assert record.p > 0.9
-    assert record.expected_tokens(7) == pytest.approx(expected(record.p, 7))
-    half = Acceptance(decay=1.0)
+    assert record.p_first > 0.9 and record.p_next > 0.9
+    assert record.expected_tokens(7) == pytest.approx(1 + record.p_first * expected(record.p_next, 6))
+    one = Acceptance(decay=1.0)
     for _ in range(300):
-        half.add(7, 1)  # one accepted, then a rejection, every step
-    assert half.p == pytest.approx(0.5, abs=0.01)
-    half.add(0, 0)  # a plain step offers nothing and tells nothing
-    assert half.p == pytest.approx(0.5, abs=0.01)
+        one.add(7, 1)  # the first draft accepted, the second rejected, every step
+    assert one.p_first > 0.99 and one.p_next < 0.01
+    assert one.expected_tokens(7) == pytest.approx(2.0, abs=0.02)
+    one.add(0, 0)  # a plain step offers nothing and tells nothing
+    assert one.p_first > 0.99 and one.p_next < 0.01
+    runs = Acceptance(decay=1.0)
+    for step in range(300):
+        runs.add(7, 7 if step % 2 else 0)  # half the steps copy the whole chain, half nothing
+    assert runs.p_first == pytest.approx(0.5, abs=0.01) and runs.p_next > 0.99
+    assert runs.expected_tokens(7) == pytest.approx(0.5 * 8 + 0.5 * 1, abs=0.05)
     never = Acceptance()
     for _ in range(30):
         never.add(1, 0)
-    assert never.p < 0.1
+    assert never.p_first < 0.1
 
 
 def test_acceptance_follows_the_recent_text():
     record = Acceptance()
     for _ in range(20):
         record.add(7, 7)
-    copying = record.p
+    copying = record.p_first
     for _ in range(10):
         record.add(7, 0)
-    after_ten = record.p
+    after_ten = record.p_first
     for _ in range(10):
         record.add(7, 0)
-    assert copying > 0.9 and after_ten < 0.4 and record.p < 0.2
+    assert copying > 0.9 and after_ten < 0.4 and record.p_first < 0.2
 
 
 @pytest.mark.parametrize("ps", [[0.9] * 4, [0.6] * 4, [0.3] * 4, [0.05] * 4], ids=["copy", "some", "little", "none"])
@@ -106,6 +112,28 @@ def test_a_mixed_batch_speculates_for_its_copying_requests():
     policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS))
     tail = simulate(policy, ps, COSTS, 200)[40:]
     assert max(set(tail), key=tail.count) == best_size(ps, COSTS)
+
+
+def test_runs_of_accepted_drafts_make_long_chains_pay():
+    """Requests that copy a whole chain in 30% of their steps and miss the first draft otherwise
+    (the way n-gram drafts are accepted): the true rates favour 16 nodes, which one rate for every
+    draft (0.68 to 0.82 here) would not see."""
+    q, costs = 0.3, {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.0}
+    rates = {n: (1 + q * (n - 1)) / c for n, c in costs.items()}
+    assert max(rates, key=rates.get) == 16 and rates[16] > 1.05 * rates[8]
+    geometric = {n: expected(0.82, n - 1) / c for n, c in costs.items()}
+    assert max(geometric, key=geometric.get) < 16
+    policy = SpecPolicy(16, "auto", costs=_calibrated(costs))
+    rng = random.Random(0)
+    records = [Acceptance() for _ in range(4)]
+    chosen = []
+    for _ in range(200):
+        n = policy.choose(8, records)
+        chosen.append(n)
+        for record in records:
+            record.add(n - 1, n - 1 if rng.random() < q else 0)
+    tail = chosen[40:]
+    assert max(set(tail), key=tail.count) == 16
 
 
 def test_nothing_pays_so_plain_steps_with_thinning_probes():
@@ -186,7 +214,8 @@ def _calibrated(costs: dict[int, float], bucket: int = 8) -> StepCosts:
 
 
 def _fixed(p: float) -> Acceptance:
-    """A record whose estimate is ``p`` (no decay)."""
+    """A record whose estimates are both ``p`` (no decay)."""
     record = Acceptance(decay=1.0)
-    record.accepted, record.rejected = p * 1000 - 1, (1 - p) * 1000 - 1
+    record.first = [p * 1000 - 0.5, (1 - p) * 1000 - 0.5]
+    record.later = list(record.first)
     return record

@@ -81,10 +81,14 @@ def test_layout_shared_by_layers(split):
         assert torch.equal(shared, backend.attention(**{**a, "layer": layer}))
 
 
-def test_generous_max_kv_len():
-    """max_kv_len above every kv_len (and above the table's width) changes nothing."""
+@pytest.mark.parametrize("name", ["mixed", "decode", "tree"])
+def test_generous_max_kv_len(name):
+    """max_kv_len above every kv_len (and above the table's width, as in a captured step) changes
+    nothing: each request's keys are shared by as many splits as the bound asks for."""
     backend = _backend(True)
-    call = attention_call(random.Random("maxlen"), DEVICE, torch.float32, kv_lens=[8, 21, 3], q_lens=[2, 1, 3])
+    lens = {"mixed": dict(kv_lens=[8, 21, 3], q_lens=[2, 1, 3]), "decode": dict(kv_lens=[70, 33], q_lens=[1, 1]),
+            "tree": CASES["tree"]}[name]
+    call = attention_call(random.Random("maxlen"), DEVICE, torch.float32, **lens)
     tight = _check(backend, call, "tight")
     for max_kv_len in (None, 40, 10_000):
         loose = backend.attention(**{**call.args, "max_kv_len": max_kv_len})

@@ -62,7 +62,7 @@ ATTENTION_CASES = {
 for name, (Hq, H, d, T, BQ, BM, BN, split, path) in ATTENTION_CASES.items():
     KERNELS[f"attention {name}"] = ("triton.attention", "_attention_kernel", ATTENTION_ARGS,
                                     dict(Hq=Hq, H=H, HEAD_DIM=d, TREE_D=T, BLOCK_Q=BQ, BLOCK_M=BM, BLOCK_N=BN,
-                                         BLOCK_D=d, SPLIT=split, PATH=path, IEEE=False, UPCAST=False), 4)
+                                         BLOCK_D=d, SPLIT=split, EVEN=not path, PATH=path, IEEE=False, UPCAST=False), 4)
 KERNELS["attention merge"] = ("triton.attention", "_merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, SPLITS="i32"),
                               dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64), 4)

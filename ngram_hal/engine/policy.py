@@ -10,13 +10,15 @@ model expects to commit the most tokens per second for the whole batch.
   captured size once per bucket when it starts (:meth:`StepCosts.calibrate`), so the model knows
   every size before the first request; a size not measured yet costs as much as the next smaller
   size measured (a guess that one step corrects).
-* **What a step commits.** Every request keeps an :class:`Acceptance`: counts of the drafts it
-  accepted and of the drafts it rejected (the first wrong one of a step), over about its last ten
-  drafts, counting only the drafts a step really offered it (a host drafter may find fewer than
-  ``n - 1``; with the device drafter a plain step offers each request's first draft, drafted
-  anyway, and scores it against the token it committed). With each next draft accepted with
-  probability ``p = (accepted + 1/2) / (accepted + rejected + 1)``, a step of n nodes is expected
-  to commit ``1 + p + ... + p**(n-1)`` tokens of the request.
+* **What a step commits.** Every request keeps an :class:`Acceptance` of two rates, over about
+  its last ten steps and drafts: how often its first draft is accepted (``p_first``), and how often
+  a draft is accepted once the one before it was (``p_next``). N-gram drafts are accepted in runs:
+  a request copying its context accepts most of a chain once the first draft is right, while the
+  first draft is often wrong, so one rate for every draft would undervalue long chains. Only the
+  drafts a step really offered count (a host drafter may find fewer than ``n - 1``; with the device
+  drafter a plain step offers each request's first draft, drafted anyway, and scores it against
+  the token it committed). A step of n nodes is then expected to commit
+  ``1 + p_first * (1 + p_next + ... + p_next**(n-2))`` tokens of the request.
 
 The next size is the one with the highest ``sum of every request's expected tokens / step
 cost``: throughput of the whole batch, so copy-heavy requests speculate even beside open-ended
@@ -42,34 +44,56 @@ def tree_sizes(num_nodes: int) -> list[int]:
 
 
 class Acceptance:
-    """One request's record of accepted drafts: every draft a verify step tried is a trial, a
-    success up to the first rejection, and each trial decays the counts before it by ``decay``
-    (so the record follows the last ten or so drafts)."""
+    """One request's record of accepted drafts, as two rates: of its first drafts, and of the
+    drafts after an accepted one. Each verify step is one first-draft trial (a success when the
+    first draft is accepted) and, past an accepted first draft, one trial per further draft up to
+    the first rejection. Each trial decays the counts of its own rate by ``decay`` (so the record
+    follows the last ten or so steps and drafts)."""
 
     def __init__(self, decay: float = 0.9):
         self.decay = decay
-        self.accepted = 0.0
-        self.rejected = 0.0
+        self.first = [0.0, 0.0]
+        self.later = [0.0, 0.0]
+
+    @staticmethod
+    def _rate(counts: list[float]) -> float:
+        accepted, rejected = counts
+        return (accepted + 0.5) / (accepted + rejected + 1.0)
 
     @property
-    def p(self) -> float:
-        """The estimated probability that the next draft is accepted, given the one before was
-        (one pseudo-trial at one half before any)."""
-        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+    def p_first(self) -> float:
+        """The estimated probability that a step's first draft is accepted (one pseudo-trial at
+        one half before any)."""
+        return self._rate(self.first)
+
+    @property
+    def p_next(self) -> float:
+        """The estimated probability that a draft is accepted, given the one before it was."""
+        return self._rate(self.later)
+
+    def _trial(self, counts: list[float], success: bool) -> None:
+        counts[0] = self.decay * counts[0] + (1.0 if success else 0.0)
+        counts[1] = self.decay * counts[1] + (0.0 if success else 1.0)
 
     def add(self, offered: int, accepted: int) -> None:
         """A verify step offered ``offered`` drafts and the request accepted ``accepted`` of them."""
-        for _ in range(accepted):
-            self.accepted = self.decay * self.accepted + 1.0
-            self.rejected *= self.decay
-        if accepted < offered:
-            self.accepted *= self.decay
-            self.rejected = self.decay * self.rejected + 1.0
+        if offered < 1:
+            return
+        accepted = min(accepted, offered)
+        self._trial(self.first, accepted >= 1)
+        for _ in range(1, accepted):
+            self._trial(self.later, True)
+        if 1 <= accepted < offered:
+            self._trial(self.later, False)
 
     def expected_tokens(self, drafts: int) -> float:
-        """Tokens a step commits with ``drafts`` drafts offered: ``1 + p + ... + p**drafts``."""
-        p = self.p
-        return drafts + 1.0 if p >= 1.0 else (1.0 - p ** (drafts + 1)) / (1.0 - p)
+        """Tokens a step commits with ``drafts`` drafts offered:
+        ``1 + p_first * (1 + p_next + ... + p_next**(drafts - 1))``."""
+        if drafts < 1:
+            return 1.0
+        p = self.p_next
+        run = float(drafts) if p >= 1.0 else (1.0 - p ** drafts) / (1.0 - p)
+        return 1.0 + self.p_first * run
 
 
 class StepCosts:

@@ -7,7 +7,9 @@ BLOCK_Q * G`` rows, so a decode step still feeds the matrix units), and it walks
 blocks of ``BLOCK_N``, reading each key's slot from ``req_to_token`` and the K/V rows from the
 cache (any page size: the table maps positions to slots one by one), with an online softmax.
 When tiles times heads are too few to fill the device, the key range is split (flash-decoding) and
-a second kernel merges the partial results by their log-sum-exp.
+a second kernel merges the partial results by their log-sum-exp. The number of splits follows the
+host's bound on the keys; each request's own keys are then shared evenly by the splits (whole key
+blocks), so a short context in a step captured for long ones still spreads over every split.
 
 The tile table depends only on the batch's metadata, so :func:`attention_layout` builds it once per
 forward (a few torch ops on the device, no host sync) and every layer reuses it. Its size is a host
@@ -50,7 +52,7 @@ def _attention_kernel(
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, PATH: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -88,8 +90,13 @@ def _attention_kernel(
             kv_end = kv_len
         else:
             kv_end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)
-        start = split * chunk
-        end = tl.minimum(start + chunk, kv_end)
+        span = chunk.to(tl.int64)
+        if EVEN:
+            # The request's own keys shared evenly by the splits (whole key blocks, at least
+            # ``chunk`` keys each), not the host's bound on every request's keys.
+            span = tl.maximum(span, tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N)
+        start = split * span
+        end = tl.minimum(start + span, kv_end)
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -279,6 +286,10 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         chunk = -(-max_kv // splits)
     chunk = -(-chunk // block_n) * block_n
     splits = -(-max_kv // chunk)
+    even = cfg.attn_even_split and not layout.batch_invariant
+    if even:
+        # Each request's keys are shared evenly by the splits in the kernel; at least min_split each.
+        chunk = min(chunk, -(-min_split // block_n) * block_n)
     if splits > 1:
         mid_o = torch.empty((N, Hq, splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
@@ -294,8 +305,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
         k_layer.stride(0), sm_scale * _LOG2E, chunk,
         Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, SPLIT=splits > 1, PATH=on_path, IEEE=q.dtype == torch.float32,
-        UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=on_path,
+        IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
         **cfg.options())
     if splits > 1:

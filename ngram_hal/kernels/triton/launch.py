@@ -29,6 +29,9 @@ class LaunchConfig:
             keys per step, ``BLOCK_N``); decode programs (one query per request) read twice as
             many per step.
         attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
+        attn_even_split: outside the batch-invariant mode, share each request's own keys evenly
+            by the splits the host's bound on the keys asks for (True), or cut that bound into
+            equal chunks, leaving the splits past a short context empty (False).
         index_block: the most entries one program handles at once in the index kernels
             (``alloc_extend``, ``assign_req_to_token``, ``gather_cache_locs``,
             ``accepted_kv_moves``); a power of two.
@@ -73,6 +76,7 @@ class LaunchConfig:
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
+    attn_even_split: bool = True
     kernel_options: tuple[tuple[str, int], ...] = ()
     tile: int = 256
     interpreted_tile: int = 1 << 18
@@ -92,9 +96,9 @@ class LaunchConfig:
         request has few queries (decode, tree verify).
 
         Decode and tree-verify programs hold one tile of queries per request: too little work for
-        a serial key loop to pay, and a captured step bounds the keys by the request table's
-        width, so most splits of a short context are empty and return at once; one step each
-        keeps a step's latency at one key block and the merge."""
+        a serial key loop to pay, so one step each keeps a step's latency at one key block and the
+        merge (outside the batch-invariant mode the kernel shares each request's own keys evenly
+        by the splits, so a short context in a step captured for long ones uses them all)."""
         if self.attn_min_split is not None:
             return self.attn_min_split
         return block_n if few_queries else 4 * block_n
@@ -116,6 +120,10 @@ class LaunchConfig:
             if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split"):
                 continue
             if f.name == "fused_linear_rows" and value == 0:
+                continue
+            if f.name == "attn_even_split":
+                if not isinstance(value, bool):
+                    raise ValueError(f"LaunchConfig.attn_even_split: expected a bool, got {value!r}")
                 continue
             if f.name == "kernel_options":
                 if not all(isinstance(k, str) and isinstance(v, int) for k, v in value):

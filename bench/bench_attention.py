@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, median_ms, report_header, write_report  # noqa: E402
 
-from ngram_hal.memory.kv_cache import KVCache  # noqa: E402
+from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 
 I64 = torch.int64

@@ -60,7 +60,7 @@ from common import (error_text, make_console, make_table, peak_memory, peak_rss_
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
-from ngram_hal.engine.commands import (Setup, add_model_arguments, check_tree_room, int_list,  # noqa: E402
+from ngram_hal.cli.run import (Setup, add_model_arguments, check_tree_room, int_list,  # noqa: E402
                                        prompt_specs)
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402

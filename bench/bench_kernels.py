@@ -51,7 +51,7 @@ from common import (copy_bandwidth, device_name, graph_ms, make_console, make_ta
 
 from ngram_hal.backend import Backend  # noqa: E402
 from ngram_hal.kernels.triton import interpreting  # noqa: E402
-from ngram_hal.memory import KVCache  # noqa: E402
+from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 

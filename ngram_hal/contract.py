@@ -301,3 +301,26 @@ def value_read_slots(op: str, name: str, req_to_token: torch.Tensor, req_pool_in
     if bool((read < 0).any()):
         raise ContractError(op, name, "a request reads a -1 (or negative) slot within its first kv_lens columns")
     return int(read.max())
+
+
+def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
+                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int,
+                           live: torch.Tensor | None = None, out: torch.Tensor | None = None
+                           ) -> tuple[int, int, int, int]:
+    """Check the arguments of the device drafter's record-and-draft kernel
+    (:func:`ngram_hal.speculative.lookup.record_and_draft` and its Triton implementation) from
+    their metadata alone; ``(B, W, S, n)``. A wrong one raises ``ContractError`` naming it."""
+    dev = table.device
+    W = check_index(op, "table", table, dev, ndim=2).shape[1]
+    B = check_index(op, "accept_lens", accept_lens, dev, ndim=1).shape[0]
+    check_index(op, "rows", rows, dev, shape=(B,))
+    check_index(op, "new_seq_lens", new_seq_lens, dev, shape=(B,))
+    total = check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
+    if B and total % B:
+        raise ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
+    n = check_int(op, "num_nodes", num_nodes, minimum=1)
+    if live is not None:
+        check_index(op, "live", live, dev, shape=(1,))
+    if out is not None:
+        check_index(op, "out", out, dev, shape=(B * n,))
+    return B, W, total // B if B else 1, n

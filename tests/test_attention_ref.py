@@ -10,7 +10,7 @@ import torch
 from ngram_hal_conformance.test_attention import TOLERANCE, attention_call, dense_attention
 
 from ngram_hal import ContractError
-from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.kv_cache import KVCache
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import attention as ref_attention
 

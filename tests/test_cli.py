@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import types
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -16,7 +15,7 @@ from ngram_hal.registry import list_backends
 
 from test_matrix import CPU, ROCM, write
 
-HAS_CONFORMANCE = importlib.util.find_spec(cli.CONFORMANCE_PACKAGE) is not None
+HAS_CONFORMANCE = importlib.util.find_spec(cli.hal.CONFORMANCE_PACKAGE) is not None
 
 
 def subcommands(parser: argparse.ArgumentParser) -> set[str]:
@@ -101,19 +100,15 @@ def test_usage_errors_exit_2(capsys):
     assert "the following arguments are required: --backend" in capsys.readouterr().err
 
 
-def test_engine_commands_are_registered_when_the_module_exists(monkeypatch):
-    assert ("run" in subcommands(cli.build_parser())) == (importlib.util.find_spec(cli.ENGINE_COMMANDS) is not None)
-    calls = []
-    engine = types.ModuleType("commands")
-    engine.add_run_arguments = lambda p: p.add_argument("--prompt")
-    engine.run_command = lambda args: calls.append(("run", args.prompt)) or 0
-    engine.add_bench_arguments = lambda p: p.add_argument("--batch", type=int)
-    engine.bench_command = lambda args: calls.append(("bench", args.batch)) or 3
-    monkeypatch.setattr(cli, "_engine_commands", lambda: engine)
+def test_every_command_is_registered(monkeypatch):
+    """The engine's commands sit beside the HAL's, dispatched to :mod:`ngram_hal.cli.run`."""
     assert {"backends", "conformance", "matrix", "run", "bench"} == subcommands(cli.build_parser())
+    calls = []
+    monkeypatch.setattr(cli.run, "run_command", lambda args: calls.append(("run", args.prompt)) or 0)
+    monkeypatch.setattr(cli.run, "bench_command", lambda args: calls.append(("bench", args.batch_sizes)) or 3)
     assert cli.main(["run", "--prompt", "hi"]) == 0
-    assert cli.main(["bench", "--batch", "16"]) == 3
-    assert calls == [("run", "hi"), ("bench", 16)]
+    assert cli.main(["bench", "--batch-sizes", "16"]) == 3
+    assert calls == [("run", "hi"), ("bench", [16])]
 
 
 @pytest.mark.skipif(not HAS_CONFORMANCE, reason="ngram-hal-conformance is not installed (pip install -e conformance)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ngram_hal.cli import main
-from ngram_hal.engine.commands import busy_note, choose_threads, summary_line
+from ngram_hal.cli.run import busy_note, choose_threads, summary_line
 from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.workload import (PromptSpec, RequestRecord, RunResult, RunTotals, bundled_prompts,
                                        cap_new_tokens, load_prompts)
@@ -137,7 +137,7 @@ def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):
 
 
 def test_default_drafter_follows_the_model_kernels():
-    from ngram_hal.engine.commands import default_drafter
+    from ngram_hal.cli.run import default_drafter
     from ngram_hal.reference import CpuBackend
 
     assert default_drafter(CpuBackend()) == "trie"

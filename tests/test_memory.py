@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_hal import ContractError
-from ngram_hal.memory import KVCache, OutOfRowsError, OutOfSlotsError, ReqToTokenPool, SlotAllocator
-from ngram_hal.memory.kv_cache import free_device_bytes
+from ngram_hal.kv_cache import KVCache, free_device_bytes
+from ngram_hal.memory import OutOfRowsError, OutOfSlotsError, ReqToTokenPool, SlotAllocator
 from ngram_hal.reference import CpuBackend
 
 I64 = torch.int64

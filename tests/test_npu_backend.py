@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ngram_hal import ContractError
-from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.kv_cache import KVCache
 from ngram_hal.reference import CpuBackend
 from ngram_hal_conformance.test_attention import random_parents, tree_mask_of
 from ngram_hal_npu import NpuBackend

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_hal import ContractError
-from ngram_hal.memory import KVCache
+from ngram_hal.kv_cache import KVCache
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import alloc as ref_alloc
 from ngram_hal.reference import kv as ref_kv

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngram_hal.memory import KVCache
+from ngram_hal.kv_cache import KVCache
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import tree as ref_tree
 from ngram_hal.reference import verify as ref_verify

@@ -22,7 +22,7 @@ from ngram_hal.files import WriteError, check_writable, write_atomic
 from test_matrix import CPU, write
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-HAS_CONFORMANCE = importlib.util.find_spec(cli.CONFORMANCE_PACKAGE) is not None
+HAS_CONFORMANCE = importlib.util.find_spec(cli.hal.CONFORMANCE_PACKAGE) is not None
 
 
 def no_space(fd: int) -> None:

@@ -28,7 +28,7 @@ from ngram_hal import Backend  # noqa: E402
 from ngram_hal.kernels.triton import LaunchConfig  # noqa: E402
 from ngram_hal.kernels.triton import kv as triton_kv  # noqa: E402
 from ngram_hal.kernels.triton.ops import TritonOps  # noqa: E402
-from ngram_hal.memory import KVCache  # noqa: E402
+from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 from ngram_hal_conformance import cases  # noqa: E402
 from ngram_hal_conformance.checks import assert_bitwise, assert_equal, assert_index_output, host, slots  # noqa: E402

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ngram_hal.contract import ContractError
-from ngram_hal.memory import KVCache, ReqToTokenPool, SlotAllocator
+from ngram_hal.kv_cache import KVCache
+from ngram_hal.memory import ReqToTokenPool, SlotAllocator
 from ngram_hal.reference import CpuBackend
 from ngram_hal.speculative.relay import OverlapRelay
 from ngram_hal.speculative.verify import (TreeBatch, commit, prepare_tree, slots_needed, tree_cache_locs, verify_greedy,

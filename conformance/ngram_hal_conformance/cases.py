@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.kv_cache import KVCache
 
 # The tensor arguments of every public method of the HAL, in signature order, by kind: "index"
 # (int64), "mask" (bool) or "float". The keys are method names: "attention_layout" is the layout

@@ -80,7 +80,7 @@ class Suite:
     @property
     def target(self):
         if self._target is None:
-            from .target import resolve
+            from ngram_hal.registry import resolve
 
             try:
                 self._target = resolve(self.spec)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from ..speculative.lookup import DeviceDrafter, chain_masks
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy

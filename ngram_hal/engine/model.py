@@ -19,7 +19,7 @@ import torch
 
 from .. import contract as c
 from ..backend import Backend
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
 from .linear import Linear, default_dtype, make_linear as linear_for

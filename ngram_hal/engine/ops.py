@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Backend
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .linear import Linear
 

@@ -1,8 +1,7 @@
-"""Memory: the request-to-token table, the KV slot allocator and the paged KV cache."""
+"""Memory: the request-to-token table and the KV slot allocator (the paged KV cache itself is a
+contract type, :class:`ngram_hal.kv_cache.KVCache`)."""
 
 from .allocator import OutOfSlotsError, SlotAllocator
-from .kv_cache import KVCache, free_device_bytes
 from .req_to_token import OutOfRowsError, ReqToTokenPool
 
-__all__ = ["KVCache", "OutOfRowsError", "OutOfSlotsError", "ReqToTokenPool", "SlotAllocator",
-           "free_device_bytes"]
+__all__ = ["OutOfRowsError", "OutOfSlotsError", "ReqToTokenPool", "SlotAllocator"]

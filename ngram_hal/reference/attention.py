@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from .ragged import flatten, within
 
 CHUNK_BYTES = 64 << 20

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..contract import SENTINEL
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from .ragged import within
 
 

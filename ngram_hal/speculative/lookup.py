@@ -23,29 +23,8 @@ import torch
 
 from .. import contract as c
 from ..backend import Backend
+from ..contract import check_record_and_draft
 from .relay import OverlapRelay
-
-
-def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
-                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int,
-                           live: torch.Tensor | None = None, out: torch.Tensor | None = None
-                           ) -> tuple[int, int, int, int]:
-    """Check the arguments of :func:`record_and_draft` (either implementation) from their metadata
-    alone; ``(B, W, S, n)``. A wrong one raises ``ContractError`` naming it."""
-    dev = table.device
-    W = c.check_index(op, "table", table, dev, ndim=2).shape[1]
-    B = c.check_index(op, "accept_lens", accept_lens, dev, ndim=1).shape[0]
-    c.check_index(op, "rows", rows, dev, shape=(B,))
-    c.check_index(op, "new_seq_lens", new_seq_lens, dev, shape=(B,))
-    total = c.check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
-    if B and total % B:
-        raise c.ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
-    n = c.check_int(op, "num_nodes", num_nodes, minimum=1)
-    if live is not None:
-        c.check_index(op, "live", live, dev, shape=(1,))
-    if out is not None:
-        c.check_index(op, "out", out, dev, shape=(B * n,))
-    return B, W, total // B if B else 1, n
 
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,

@@ -22,7 +22,7 @@ import torch
 
 from .. import contract as c
 from ..backend import Backend
-from ..memory.kv_cache import KVCache
+from ..kv_cache import KVCache
 from .relay import OverlapRelay
 
 CommitResult = OverlapRelay

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ngram_hal.backend import AttentionLayout
 from ngram_hal.contract import SENTINEL
-from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.kv_cache import KVCache
+from ngram_hal.layout import AttentionLayout
 
 from .indices import narrow, runs, take
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ngram_hal.contract import SENTINEL
-from ngram_hal.memory.kv_cache import KVCache
+from ngram_hal.kv_cache import KVCache
 
 from .indices import fits_int32, narrow, take
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...speculative.lookup import check_record_and_draft
+from ...contract import check_record_and_draft
 
 SCAN_BLOCK = 512
 

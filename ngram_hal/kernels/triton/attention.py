@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...backend import AttentionLayout
-from ...memory.kv_cache import KVCache
+from ...layout import AttentionLayout
+from ...kv_cache import KVCache
 from .launch import LaunchConfig, interpreting, num_programs_to_fill
 
 _LOG2E = 1.4426950408889634

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...memory.kv_cache import KVCache
+from ...kv_cache import KVCache
 from .launch import LaunchConfig
 
 I64 = torch.int64

@@ -26,16 +26,16 @@ from rich.console import Console
 from rich.table import Table
 
 from ..backend import OPS
-from ..cli import CommandError, check_destination, error_line, write_output
+from .common import CommandError, check_destination, error_line, write_output
 from ..options import POSITIVE_INT, field_type
 from ..registry import ENV_BACKEND, backend_class, get_backend
-from .engine import EngineConfig
-from .gguf_loader import find_model_file
-from .progress import Status
-from .request import SamplingParams
-from .scheduler import request_room
-from .tokenizer import Tokenizer
-from .workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
+from ..engine.engine import EngineConfig
+from ..engine.gguf_loader import find_model_file
+from ..engine.progress import Status
+from ..engine.request import SamplingParams
+from ..engine.scheduler import request_room
+from ..engine.tokenizer import Tokenizer
+from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE_NOTE = "20-40 s the first time, 1-2 s after"
@@ -348,7 +348,7 @@ class Setup:
     def load_model(self, batch_invariant: bool):
         """The model file loaded (again) on the backend in the chosen dtype; ``batch_invariant`` as
         :meth:`LlamaModel.from_gguf <ngram_hal.engine.model.LlamaModel.from_gguf>` takes it."""
-        from .model import LlamaModel
+        from ..engine.model import LlamaModel
 
         return LlamaModel.from_gguf(self.backend, self.path, DTYPES[self.args.dtype], batch_invariant=batch_invariant)
 
@@ -357,7 +357,7 @@ class Setup:
         """An engine over ``model`` (default the loaded one) with these settings; ``graphs``,
         ``num_slots`` and ``drafter`` default to the options (``--no-graphs``, ``--num-slots``,
         ``--drafter``)."""
-        from .engine import Engine
+        from ..engine.engine import Engine
 
         a = self.args
         config = EngineConfig(spec_nodes=spec_nodes, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,

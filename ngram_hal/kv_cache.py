@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import ContractError
+from .contract import ContractError
 
 
 class KVCache:

@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"ngram_hal": ROOT / "ngram_hal", "ngram_hal_cuda": ROOT / "backends/cuda/ngram_hal_cuda",
-            "ngram_hal_rocm": ROOT / "backends/rocm/ngram_hal_rocm", "ngram_hal_npu": ROOT / "backends/npu/ngram_hal_npu",
+            "ngram_hal_rocm": ROOT / "backends/rocm/ngram_hal_rocm",
+            "ngram_hal_npu": ROOT / "backends/npu/ngram_hal_npu",
             "ngram_hal_conformance": ROOT / "conformance/ngram_hal_conformance"}
 
 # (layer, module prefixes), bottom first; a module belongs to the layer of its longest prefix.

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ngram_hal.kernels.triton.ops import TritonOps
+from ngram_hal.kernels.triton.ops import TritonHalOps
 from ngram_hal.runtime import Runtime
 from ngram_hal_rocm import PROXY_ENV, RocmBackend, hip_launch, proxy_device
 
@@ -46,7 +46,7 @@ def test_interpreted_proxy_takes_no_amd_options(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert proxy_device() == "cpu"
     backend = RocmBackend(strict=False)
-    assert isinstance(backend, TritonOps) and backend.device.type == "cpu"
+    assert isinstance(backend, TritonHalOps) and backend.device.type == "cpu"
     cfg = backend.launch
     assert (cfg.warp_size, cfg.max_num_warps, cfg.kernel_options) == (64, 16, ())
     # Small batches split their keys too, so the proxy runs the decode path's merge kernel.

@@ -2,7 +2,7 @@
 
 Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (``conftest.py``
 sets ``TRITON_INTERPRET=1``), which checks their index math. Each op runs through a backend that
-mixes :class:`TritonOps` into :class:`Backend` under two launch configurations: the default one,
+mixes :class:`TritonHalOps` into :class:`Backend` under two launch configurations: the default one,
 and a tiny one whose blocks and tiles are so small that every loop runs several times (the
 running sums over several request blocks, ``move_kv``'s scratch path, several column blocks).
 
@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from ngram_hal import Backend  # noqa: E402
 from ngram_hal.kernels.triton import LaunchConfig  # noqa: E402
 from ngram_hal.kernels.triton import kv as triton_kv  # noqa: E402
-from ngram_hal.kernels.triton.ops import TritonOps  # noqa: E402
+from ngram_hal.kernels.triton.ops import TritonHalOps  # noqa: E402
 from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 from ngram_hal_conformance import cases  # noqa: E402
@@ -43,7 +43,7 @@ CONFIGS = {"default": LaunchConfig(), "tiny": TINY}
 rngs = st.randoms(use_true_random=False)
 
 
-class TritonBackend(TritonOps, Backend):
+class TritonBackend(TritonHalOps, Backend):
     """The Triton kernels behind the HAL's checks, on this test session's device."""
 
     name = "triton-test"

@@ -1,19 +1,29 @@
 """Engine tier: a tiny end-to-end decode through the backend equals the same decode through the
 reference backend, with and without n-gram speculation: the same tokens, the same verify steps,
 and after every step the same K/V in every position a request has committed (so a compaction
-that moves the wrong rows is caught even where the tokens happen to survive it)."""
+that moves the wrong rows is caught even where the tokens happen to survive it).
+
+The HAL ops the engine calls are recorded while it decodes (the ``engine_ops`` property of the
+report) and must be among :data:`ENGINE_OPS`, the ops the test is filed under."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
+from ngram_hal.backend import OPS
 from ngram_hal.engine import Engine, EngineConfig, LlamaConfig, LlamaModel, SamplingParams
 
 from .checks import host
 
-ENGINE_OPS = ["alloc_extend", "assign_req_to_token", "store_kv", "move_kv", "accepted_kv_moves",
+ENGINE_OPS = ["assign_req_to_token", "gather_cache_locs", "store_kv", "move_kv", "accepted_kv_moves",
               "reconstruct_tree", "verify_tree_greedy", "attention"]
+# What a speculative greedy decode must call on every backend (a backend whose model kernels store
+# K/V themselves does not call store_kv).
+SPECULATIVE_OPS = {"assign_req_to_token", "gather_cache_locs", "move_kv", "accepted_kv_moves", "reconstruct_tree",
+                   "verify_tree_greedy", "attention"}
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
 # Repetitive prompts, so that speculation drafts and accepts tokens.
@@ -25,10 +35,27 @@ KV_TOLERANCE = (1e-3, 1e-3)
 
 
 class Decode:
-    """A batched greedy decode stepped to the end: tokens and verify steps per request, and after
-    each step the host K/V ``[L, n, H, d]`` of the committed positions of every running request."""
+    """A batched greedy decode stepped to the end: tokens and verify steps per request, after each
+    step the host K/V ``[L, n, H, d]`` of the committed positions of every running request, and
+    how often the engine called each HAL op (``calls``)."""
 
     def __init__(self, backend, spec_nodes: int):
+        self.calls: Counter[str] = Counter()
+        for op in OPS:
+            setattr(backend, op, self._counted(op, getattr(backend, op)))
+        try:
+            self._decode(backend, spec_nodes)
+        finally:
+            for op in OPS:
+                delattr(backend, op)
+
+    def _counted(self, op: str, method):
+        def call(*args, **kwargs):
+            self.calls[op] += 1
+            return method(*args, **kwargs)
+        return call
+
+    def _decode(self, backend, spec_nodes: int) -> None:
         model = LlamaModel.random(TINY, backend, seed=3)
         engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128))
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
@@ -79,11 +106,17 @@ def _assert_same_kv(got: Decode, want: Decode) -> None:
 
 
 @pytest.mark.conformance(op=ENGINE_OPS, tier="engine")
+@pytest.mark.filterwarnings("ignore:record_property is incompatible with junit_family")
 @pytest.mark.parametrize("spec_nodes", [1, 4], ids=["no-spec", "spec-4"])
-def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes):
+def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes, record_property):
     """K/V after every step, token ids and verify steps of a batched greedy decode equal the
-    reference backend's."""
+    reference backend's; the engine calls only the ops the test is filed under."""
     got, want = Decode(backend, spec_nodes), reference_decode(spec_nodes)
+    record_property("engine_ops", ",".join(sorted(got.calls)))
+    called = set(got.calls)
+    assert called <= set(ENGINE_OPS), f"the engine called ops not in ENGINE_OPS: {sorted(called - set(ENGINE_OPS))}"
+    if spec_nodes > 1:
+        assert SPECULATIVE_OPS <= called, f"a speculative decode never called {sorted(SPECULATIVE_OPS - called)}"
     assert all(len(t) == NEW_TOKENS for t in want.tokens)
     if spec_nodes > 1:
         assert want.verify_steps < len(PROMPTS) * NEW_TOKENS, "the workload must accept drafts to cover speculation"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 
-class Tokenizer(Protocol):
+class TokenDecoder(Protocol):
     """What the engine needs from a tokenizer."""
 
     def encode(self, text: str) -> list[int]: ...
@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
     already-reported part ``prefix:read``.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: TokenDecoder):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""

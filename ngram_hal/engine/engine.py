@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..speculative.lookup import DeviceDrafter
 from ..speculative.relay import OverlapRelay
 from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_tokens
-from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .detokenizer import IncrementalDetokenizer, TokenDecoder
 from .graphs import StepGraphs, batch_buckets
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
@@ -173,7 +173,7 @@ class Engine:
         eos_token_ids: tokens that end a request (unless ``ignore_eos``); default the model's EOS.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: LlamaModel, tokenizer: TokenDecoder | None = None,
                  config: EngineConfig | None = None, drafter=None,
                  eos_token_ids: Sequence[int] | None = None):
         self.config = config or EngineConfig()
@@ -507,7 +507,7 @@ class Engine:
 
     def _launch_decode(self, reqs: list[Request]) -> InflightStep:
         start = time.perf_counter()
-        up, be, D = self.transfer.upload, self.backend, self.num_nodes
+        up, D = self.transfer.upload, self.num_nodes
         B = len(reqs)
         bucket = self._bucket(B)
         acceptances = self._acceptances(reqs)

@@ -3,9 +3,9 @@
 Per layer: RMSNorm (with the residual add), fused QKV projection, rotary embeddings at each
 token's position and the K/V store, ``backend.attention`` over the cache, output projection,
 RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``. The norm, rotary/store and SwiGLU
-steps are :mod:`ngram_hal.engine.ops` (plain torch with the backend's ``store_kv``, or fused Triton
-kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU and the
-residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
+steps are :mod:`ngram_hal.engine.layer_kernels` (plain torch with the backend's ``store_kv``, or
+fused Triton kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU
+and the residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
 (panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere,
 or a batch-invariant Triton product).
 """
@@ -23,7 +23,7 @@ from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
 from .linear import Linear, default_dtype, make_linear as linear_for
-from .ops import make_ops
+from .layer_kernels import make_layer_kernels
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ForwardBatch:
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor | None  # None: folded into wqkv (see TorchOps.fold_norm)
+    attn_norm: torch.Tensor | None  # None: folded into wqkv (see TorchLayerKernels.fold_norm)
     wqkv: Linear
     wo: Linear
     mlp_norm: torch.Tensor | None  # None: folded into w_gate_up
@@ -139,13 +139,13 @@ class LlamaModel:
         if batch_invariant and getattr(backend, "model_kernels", "torch") != "triton":
             raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{backend.name}'")
 
-        self.ops = make_ops(config, backend, dtype, batch_invariant)
+        self.kernels = make_layer_kernels(config, backend, dtype, batch_invariant)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
         def make_linear(weight: torch.Tensor) -> Linear:
-            return linear_for(weight, batch_invariant, panels=not self.ops.fuses_products)
+            return linear_for(weight, batch_invariant, panels=not self.kernels.fuses_products)
 
         self.embed = make_linear(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
@@ -153,9 +153,9 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            attn_norm, wqkv = self.ops.fold_norm(w(p + "input_layernorm.weight"), torch.cat(
+            attn_norm, wqkv = self.kernels.fold_norm(w(p + "input_layernorm.weight"), torch.cat(
                 [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")]))
-            mlp_norm, w_gate_up = self.ops.fold_norm(w(p + "post_attention_layernorm.weight"), torch.cat(
+            mlp_norm, w_gate_up = self.kernels.fold_norm(w(p + "post_attention_layernorm.weight"), torch.cat(
                 [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
             self.layers.append(_Layer(attn_norm=attn_norm, wqkv=make_linear(wqkv), wo=make_linear(w(p + "self_attn.o_proj.weight")),
                                       mlp_norm=mlp_norm, w_gate_up=make_linear(w_gate_up),
@@ -212,21 +212,21 @@ class LlamaModel:
             max_kv_len = batch.req_to_token.shape[1]
         elif max_kv_len is None:
             max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
-        q_size, ops = cfg.num_heads * cfg.head_dim, self.ops
+        q_size, kernels = cfg.num_heads * cfg.head_dim, self.kernels
         layout = be.attention_layout(batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens, N,
                                      batch.tree_mask, max_kv_len, self.batch_invariant)
-        rope = ops.rope(batch.positions)
+        rope = kernels.rope(batch.positions)
         x = self.embed.rows(batch.input_ids)
         delta = None
         for i, layer in enumerate(self.layers):
-            qkv = ops.norm_linear(x, layer.attn_norm, layer.wqkv, delta)
-            q = ops.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
+            qkv = kernels.norm_linear(x, layer.attn_norm, layer.wqkv, delta)
+            q = kernels.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len, layout)
-            delta = ops.linear_add(o.reshape(N, q_size), layer.wo, x)
-            h = ops.norm_swiglu(x, layer.mlp_norm, layer.w_gate_up, delta)
-            delta = ops.linear_add(h, layer.w_down, x)
-        h = ops.norm(x, self.norm, delta)
+            delta = kernels.linear_add(o.reshape(N, q_size), layer.wo, x)
+            h = kernels.norm_swiglu(x, layer.mlp_norm, layer.w_gate_up, delta)
+            delta = kernels.linear_add(h, layer.w_down, x)
+        h = kernels.norm(x, self.norm, delta)
         if batch.logits_index is not None:
             h = h.index_select(0, batch.logits_index)
         return self.lm_head(h).float()

@@ -17,7 +17,7 @@ import torch
 
 from ngram_hal.backend import Backend
 from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
-from ngram_hal.kernels.triton.ops import TritonOps
+from ngram_hal.kernels.triton.ops import TritonHalOps
 from ngram_hal.proxy import ProxyFlag, requested
 
 PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
@@ -27,7 +27,7 @@ def _native() -> bool:
     return torch.version.cuda is not None and torch.version.hip is None and torch.cuda.is_available()
 
 
-class CudaBackend(TritonOps, Backend):
+class CudaBackend(TritonHalOps, Backend):
     """The CUDA backend: device ``cuda``, 32-lane warps, every op a Triton kernel."""
 
     name = "cuda"

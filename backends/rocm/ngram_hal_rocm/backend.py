@@ -21,7 +21,7 @@ import torch
 
 from ngram_hal.backend import Backend
 from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
-from ngram_hal.kernels.triton.ops import TritonOps
+from ngram_hal.kernels.triton.ops import TritonHalOps
 from ngram_hal.proxy import ProxyFlag, requested
 
 PROXY_ENV = "NGRAM_HAL_ROCM_PROXY"
@@ -64,7 +64,7 @@ def proxy_device() -> str | None:
     return None
 
 
-class RocmBackend(TritonOps, Backend):
+class RocmBackend(TritonHalOps, Backend):
     """The ROCm backend: device ``cuda`` (torch's name for HIP devices), every op a Triton kernel."""
 
     name = "rocm"

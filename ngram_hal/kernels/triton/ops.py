@@ -1,6 +1,6 @@
-"""``TritonOps``: the HAL's ten ops through the portable Triton kernels, for any backend to mix in.
+"""``TritonHalOps``: the HAL's ten ops through the portable Triton kernels, for any backend to mix in.
 
-A backend class lists ``TritonOps`` before :class:`ngram_hal.Backend` and sets ``launch`` (its
+A backend class lists ``TritonHalOps`` before :class:`ngram_hal.Backend` and sets ``launch`` (its
 :class:`LaunchConfig`); each ``_<op>`` then forwards the validated arguments to the kernel module's
 wrapper of the same name, adding ``launch``. Kernel modules are imported on first use, so Triton
 is imported only when an op runs.
@@ -26,7 +26,7 @@ def _kernel_op(module: str, name: str):
     return op
 
 
-class TritonOps:
+class TritonHalOps:
     """Mixin: every HAL op by the Triton kernels of :mod:`ngram_hal.kernels.triton`."""
 
     launch: ClassVar[LaunchConfig] = LaunchConfig()

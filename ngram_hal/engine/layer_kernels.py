@@ -1,12 +1,12 @@
 """The model's per-layer compute around attention, in two implementations.
 
-:class:`TorchOps` is plain torch on any device: RMSNorm, rotary embeddings and the K/V store
-through the backend's ``store_kv``, SwiGLU, and the projections as the model's linear layers.
-:class:`TritonOps` does the same work in the fused kernels of :mod:`ngram_hal.kernels.gpu`: the
-residual add inside the norm, the rotary embedding inside the K/V store, SwiGLU in one pass; and,
-for forwards of few rows (decode) or in the batch-invariant mode, the norm and SwiGLU inside the
-products around them and the residual add inside the product that precedes it. The model picks
-one by its backend's ``model_kernels``.
+:class:`TorchLayerKernels` is plain torch on any device: RMSNorm, rotary embeddings and the K/V
+store through the backend's ``store_kv``, SwiGLU, and the projections as the model's linear
+layers. :class:`TritonLayerKernels` does the same work in the fused kernels of
+:mod:`ngram_hal.kernels.gpu`: the residual add inside the norm, the rotary embedding inside the
+K/V store, SwiGLU in one pass; and, for forwards of few rows (decode) or in the batch-invariant
+mode, the norm and SwiGLU inside the products around them and the residual add inside the product
+that precedes it. The model picks one by its backend's ``model_kernels``.
 
 A layer runs as ``norm_linear`` (QKV), ``rope_store``, attention, ``linear_add`` (output
 projection), ``norm_swiglu`` (gate/up and SwiGLU), ``linear_add`` (down). ``linear_add`` either
@@ -48,7 +48,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class TorchOps:
+class TorchLayerKernels:
     """Norm, rotary + K/V store and SwiGLU in plain torch; the K/V store is the backend's op."""
 
     fuses_products = False
@@ -107,7 +107,7 @@ class TorchOps:
         return linear(y)
 
 
-class TritonOps(TorchOps):
+class TritonLayerKernels(TorchLayerKernels):
     """The same steps in the fused Triton kernels of :mod:`ngram_hal.kernels.gpu`.
 
     The rotary kernel reads cos/sin from a table of ``max_positions`` rows built once (positions
@@ -183,11 +183,12 @@ class TritonOps(TorchOps):
         return None
 
 
-def make_ops(config: LlamaConfig, backend: Backend, dtype: torch.dtype, batch_invariant: bool = False) -> TorchOps:
+def make_layer_kernels(config: LlamaConfig, backend: Backend, dtype: torch.dtype,
+                       batch_invariant: bool = False) -> TorchLayerKernels:
     """The ops for ``backend``: its ``model_kernels`` ("torch" or "triton")."""
     kind = getattr(backend, "model_kernels", "torch")
     if kind == "triton":
-        return TritonOps(config, backend, dtype, batch_invariant)
+        return TritonLayerKernels(config, backend, dtype, batch_invariant)
     if kind == "torch":
-        return TorchOps(config, backend, dtype)
+        return TorchLayerKernels(config, backend, dtype)
     raise ValueError(f"backend '{backend.name}': unknown model_kernels {kind!r} (expected 'torch' or 'triton')")

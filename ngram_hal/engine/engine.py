@@ -580,8 +580,15 @@ class Engine:
         return next(b for b in self._buckets if b >= batch_size)
 
     def _acceptances(self, reqs: list[Request]) -> list[Acceptance]:
-        """Each request's record of accepted drafts (a new one for a request's first verify step)."""
-        return [self._acceptance.setdefault(r.rid, Acceptance()) for r in reqs]
+        """Each request's record of accepted drafts (a new one for a request's first verify step);
+        none where the policy does not read them (``always``), and then none are kept."""
+        if self.policy.mode != "auto":
+            return []
+        records = self._acceptance
+        for r in reqs:
+            if r.rid not in records:
+                records[r.rid] = Acceptance()
+        return [records[r.rid] for r in reqs]
 
     def _verify_step(self, reqs: list[Request], tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, n: int, max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:
@@ -652,7 +659,9 @@ class Engine:
                 r.verify_steps += 1
                 rows += 1
                 committed += n
-                self._acceptance[r.rid].add(step.offered[b], int(shadow[b]) if shadow is not None else n - 1)
+                record = self._acceptance.get(r.rid)
+                if record is not None:
+                    record.add(step.offered[b], int(shadow[b]) if shadow is not None else n - 1)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)

@@ -71,29 +71,40 @@ class Acceptance:
         """The estimated probability that a draft is accepted, given the one before it was."""
         return self._rate(self.later)
 
-    def _trial(self, counts: list[float], success: bool) -> None:
-        counts[0] = self.decay * counts[0] + (1.0 if success else 0.0)
-        counts[1] = self.decay * counts[1] + (0.0 if success else 1.0)
+    def _trials(self, counts: list[float], successes: int, failure: bool) -> None:
+        """``successes`` successful trials in a row, then one failed one where ``failure``: each
+        trial decays both counts and adds one to its own (the closed form of that loop)."""
+        if successes:
+            kept = self.decay ** successes
+            gained = successes if self.decay == 1.0 else (1.0 - kept) / (1.0 - self.decay)
+            counts[0] = kept * counts[0] + gained
+            counts[1] *= kept
+        if failure:
+            counts[0] *= self.decay
+            counts[1] = self.decay * counts[1] + 1.0
 
     def add(self, offered: int, accepted: int) -> None:
         """A verify step offered ``offered`` drafts and the request accepted ``accepted`` of them."""
         if offered < 1:
             return
         accepted = min(accepted, offered)
-        self._trial(self.first, accepted >= 1)
-        for _ in range(1, accepted):
-            self._trial(self.later, True)
-        if 1 <= accepted < offered:
-            self._trial(self.later, False)
+        self._trials(self.first, int(accepted >= 1), accepted < 1)
+        if accepted >= 1:
+            self._trials(self.later, accepted - 1, accepted < offered)
 
     def expected_tokens(self, drafts: int) -> float:
         """Tokens a step commits with ``drafts`` drafts offered:
         ``1 + p_first * (1 + p_next + ... + p_next**(drafts - 1))``."""
-        if drafts < 1:
-            return 1.0
-        p = self.p_next
-        run = float(drafts) if p >= 1.0 else (1.0 - p ** drafts) / (1.0 - p)
-        return 1.0 + self.p_first * run
+        return expected_tokens(self.p_first, self.p_next, drafts)
+
+
+def expected_tokens(p_first: float, p_next: float, drafts: int) -> float:
+    """``1 + p_first * (1 + p_next + ... + p_next**(drafts - 1))``: the tokens a step of ``drafts``
+    drafts commits for a request of those rates (:class:`Acceptance`)."""
+    if drafts < 1:
+        return 1.0
+    run = float(drafts) if p_next >= 1.0 else (1.0 - p_next ** drafts) / (1.0 - p_next)
+    return 1.0 + p_first * run
 
 
 class StepCosts:
@@ -103,12 +114,15 @@ class StepCosts:
     def __init__(self, window: int = 5):
         self.window = window
         self._steps: dict[tuple[int, int], deque[float]] = {}
+        self._medians: dict[tuple[int, int], float] = {}
         self._calibrated: dict[tuple[int, int], float] = {}
 
     def add(self, bucket: int, nodes: int, seconds: float) -> None:
         """A step of ``nodes`` nodes per request over a batch in ``bucket`` took ``seconds``."""
         if seconds > 0:
-            self._steps.setdefault((bucket, nodes), deque(maxlen=self.window)).append(seconds)
+            samples = self._steps.setdefault((bucket, nodes), deque(maxlen=self.window))
+            samples.append(seconds)
+            self._medians[(bucket, nodes)] = statistics.median(samples)
 
     def calibrate(self, bucket: int, nodes: int, seconds: float) -> None:
         """A cost measured apart from serving (a replay of the captured step), used until steps are."""
@@ -117,10 +131,8 @@ class StepCosts:
 
     def measured(self, bucket: int, nodes: int) -> float | None:
         """The known cost of the key, or None."""
-        samples = self._steps.get((bucket, nodes))
-        if samples:
-            return statistics.median(samples)
-        return self._calibrated.get((bucket, nodes))
+        found = self._medians.get((bucket, nodes))
+        return found if found is not None else self._calibrated.get((bucket, nodes))
 
     def estimate(self, bucket: int, nodes: int, sizes: Sequence[int]) -> float | None:
         """The key's cost, or (unknown) that of the largest smaller size in ``sizes`` known for the
@@ -163,10 +175,13 @@ class SpecPolicy:
     def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance]) -> float | None:
         """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``;
         None while no cost of the bucket is known."""
+        return self._rate(bucket, nodes, [(a.p_first, a.p_next) for a in requests])
+
+    def _rate(self, bucket: int, nodes: int, rates: list[tuple[float, float]]) -> float | None:
         cost = self.costs.estimate(bucket, nodes, self.sizes)
         if cost is None:
             return None
-        return sum(a.expected_tokens(nodes - 1) for a in requests) / cost
+        return sum(expected_tokens(first, later, nodes - 1) for first, later in rates) / cost
 
     def peek(self, bucket: int, requests: Sequence[Acceptance]) -> int:
         """The size :meth:`choose` would return now for ``requests`` in ``bucket``, choosing nothing."""
@@ -176,7 +191,8 @@ class SpecPolicy:
             return self.sizes[1]
         if self.costs.measured(bucket, 1) is None:
             return 1
-        rates = {n: self.rate(bucket, n, requests) for n in self.sizes}
+        pairs = [(a.p_first, a.p_next) for a in requests]
+        rates = {n: self._rate(bucket, n, pairs) for n in self.sizes}
         top = max(rates.values())
         return next(n for n in self.sizes if rates[n] * (1 + self.margin) >= top)
 

@@ -126,6 +126,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "batch-invariant (default 8,16; quick 4)")
     parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
                         help="only these runs (default: all; names in the description)")
+    parser.add_argument("--requests", type=POSITIVE_INT, default=None, metavar="N",
+                        help="requests per pass at batch sizes above 1: the prompts in turn, kinds interleaved "
+                             "(default: each prompt once, or as many as the batch size)")
     parser.add_argument("--repeats", type=POSITIVE_INT, default=1, metavar="N",
                         help="timed passes of each run; the median one (by tokens/s) is reported (default 1)")
     parser.add_argument("--profile-steps", type=int, default=20, metavar="N",
@@ -328,6 +331,8 @@ def measure(work: Workload, model, cfg: RunConfig, partner: PlainPartner | None 
         row["graph_captures"] = captures
         row["graph_captures_timed"] = engine.graphs.captures - captures if engine.graphs is not None else None
         row["kv_cache_bytes"] = engine.kv.nbytes
+        # The policy's step costs after the timed passes: {bucket: {nodes: seconds}}.
+        row["step_costs"] = engine.policy.costs.table() if cfg.policy == "auto" else None
         row["profile"] = None
         if work.profiling:
             engine.forget_drafts()
@@ -563,14 +568,16 @@ def bench(args: argparse.Namespace) -> int:
     report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
               "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
                           "spec_nodes": args.spec_nodes, "profile_steps": args.profile_steps,
-                          "max_context_len": args.max_context_len, "repeats": args.repeats, "quick": args.quick},
+                          "max_context_len": args.max_context_len, "repeats": args.repeats,
+                          "requests": args.requests, "quick": args.quick},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
               "configurations": [dataclasses.asdict(c) for c in configs], "runs": []}
     invariant = None  # (model, status, reason), once the first invariant run asks for it
     for batch in args.batch_sizes:
         mixed = mixed_order(specs)
-        requests = [mixed[i % len(mixed)] for i in range(max(batch, len(mixed)))] if batch > 1 else list(specs)
+        count = max(batch, args.requests or len(mixed))
+        requests = [mixed[i % len(mixed)] for i in range(count)] if batch > 1 else list(specs)
         work = Workload(setup, batch, requests, prompt_lens, args)
         partner = None
         if args.repeats > 1:

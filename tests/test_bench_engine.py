@@ -23,8 +23,8 @@ ROW_KEYS = {"batch", "run", "spec_nodes", "policy", "graphs", "overlap", "invari
             "warmup_s", "passes_tokens_per_s", "paired_plain_tokens_per_s", "vs_plain_paired",
             "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
             "requests", "kinds", "finish_reasons", "verify_steps", "request_errors", "token_ids", "by_kind",
-            "same_as_warmup", "graphs_used", "graph_captures", "graph_captures_timed", "kv_cache_bytes", "profile",
-            "vs_plain", "vs_old", "same_tokens_as_plain"}
+            "same_as_warmup", "graphs_used", "graph_captures", "graph_captures_timed", "kv_cache_bytes", "step_costs",
+            "profile", "vs_plain", "vs_old", "same_tokens_as_plain"}
 TOTALS_KEYS = {"requests", "output_tokens", "decode_tokens", "verify_steps", "tokens_per_verify_step", "wall_s",
                "tokens_per_s", "decode_s", "decode_tokens_per_s", "prefill_steps", "decode_steps", "tree_nodes",
                "ms_per_decode_step", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "draft_s", "device_busy_s",

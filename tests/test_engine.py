@@ -438,7 +438,7 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
     # When the policy picks one node, the step drafts nothing: it is launched before the host
     # waits for the previous step, as without speculation.
     engine = make(model, spec_nodes=8, overlap=True, spec_policy="auto")
-    engine.policy.peek = engine.policy.choose = lambda bucket, requests: 1
+    engine.policy.peek = engine.policy.choose = lambda bucket, requests, context: 1
     absorbed = []
     absorb = engine._absorb
 
@@ -570,7 +570,7 @@ def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, refere
     request's first draft (drafted on the device anyway) is compared with the token the step
     committed, and the request's acceptance record counts it; the tokens stay exact."""
     engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy="auto")
-    engine.policy.peek = engine.policy.choose = lambda bucket, requests: 1
+    engine.policy.peek = engine.policy.choose = lambda bucket, requests, context: 1
     scored, records = [], {}
     absorb, acceptances = engine._absorb, engine._acceptances
 

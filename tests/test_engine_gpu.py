@@ -119,3 +119,21 @@ def test_graph_steps_make_no_hidden_sync(backend, prompts, spec_nodes, drafter, 
     assert all(len(ids) == 40 for ids in outs)
     assert engine.stats.device_busy_s > 0
     assert engine.sched.slots.available() == engine.sched.slots.num_slots
+
+
+@gpu
+def test_calibration_reads_a_context_and_gives_everything_back(backend, prompts):
+    """``auto`` replays every captured size at two contexts before the first request: the request
+    table and the KV cache are as a fresh engine has them, every size of every bucket has a cost,
+    and greedy output equals an engine that never calibrated."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=6, batch_invariant=True)
+    cfg = dict(num_slots=4096, max_context_len=512, max_running=8, spec_nodes=8, drafter="device")
+    engine = Engine(model, None, EngineConfig(spec_policy="auto", **cfg))
+    assert bool((engine.sched.req_to_token == -1).all())
+    assert not engine.kv.k.any() and not engine.kv.v.any()
+    table = engine.policy.costs.table(context=128)
+    assert sorted(map(int, table)) == engine.graphs.buckets
+    assert all(sorted(map(int, sizes)) == [1, 2, 4, 8] and min(sizes.values()) > 0 for sizes in table.values())
+    auto = _generate(engine, prompts)
+    _, always = _run(model, prompts, spec_nodes=8, drafter="device", spec_policy="always")
+    assert auto == always

@@ -17,11 +17,12 @@ def expected(p: float, drafts: int) -> float:
 
 
 def best_size(ps: list[float], costs: dict[int, float], margin: float = 0.05) -> int:
-    """The smallest size within ``margin`` of the highest expected tokens per second of a batch
-    whose requests accept each next draft with probabilities ``ps``: the right answer, by brute
-    force over the true rates."""
+    """The size of the highest expected tokens per second of a batch whose requests accept each
+    next draft with probabilities ``ps``, or plain where it beats plain by less than ``margin``:
+    the right answer, by brute force over the true rates."""
     rates = {n: sum(expected(p, n - 1) for p in ps) / costs[n] for n in sorted(costs)}
-    return next(n for n, r in rates.items() if r * (1 + margin) >= max(rates.values()))
+    best = max(rates, key=rates.__getitem__)
+    return best if rates[best] >= rates[1] * (1 + margin) else 1
 
 
 def simulate(policy: SpecPolicy, ps: list[float], costs: dict[int, float], steps: int, seed: int = 0,
@@ -95,13 +96,13 @@ def test_acceptance_follows_the_recent_text():
 @pytest.mark.parametrize("ps", [[0.9] * 4, [0.6] * 4, [0.3] * 4, [0.05] * 4], ids=["copy", "some", "little", "none"])
 def test_auto_settles_on_the_size_with_the_highest_throughput(ps):
     """A synthetic batch whose acceptance and step costs are known: after a few steps the policy
-    runs the size a brute-force search over the true expected rates picks."""
+    runs sizes whose true throughput is within 3% of the size a brute-force search over the true
+    expected rates picks (sizes closer than that are a tie the estimates may break either way)."""
     policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS))
     chosen = simulate(policy, ps, COSTS, 200)
-    want = best_size(ps, COSTS)
+    true = {n: sum(expected(p, n - 1) for p in ps) / COSTS[n] for n in COSTS}
     tail = chosen[40:]
-    assert max(set(tail), key=tail.count) == want
-    assert tail.count(want) > 0.8 * len(tail)
+    assert sum(true[n] for n in tail) / len(tail) >= 0.97 * true[best_size(ps, COSTS)]
 
 
 def test_a_mixed_batch_speculates_for_its_copying_requests():
@@ -158,15 +159,16 @@ def test_unknown_costs_start_plain_and_are_tried_once():
     assert max(set(chosen[20:]), key=chosen[20:].count) == best_size([0.7] * 4, costs) == 2
 
 
-def test_the_smallest_size_within_the_margin_wins():
-    # 8 nodes promise 3% more than 4: within the 5% margin, so 4 runs; without a margin, 8.
+def test_speculation_must_beat_plain_by_the_margin():
+    # Four nodes promise 3% more than plain: within the 5% margin, so plain runs; without a
+    # margin, four nodes. Among speculative sizes the best one wins, however close the next.
     requests = [_fixed(0.8)]
-    costs = _calibrated({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
-    rates = {n: expected(0.8, n - 1) for n in (4, 8)}
-    scale = rates[8] / rates[4] / 1.03
-    costs.calibrate(8, 8, scale)
-    assert SpecPolicy(8, "auto", costs=costs).peek(8, requests) == 4
-    assert SpecPolicy(8, "auto", margin=0.0, costs=costs).peek(8, requests) == 8
+    gain = expected(0.8, 3)
+    costs = _calibrated({1: 1.0, 2: 9.0, 4: gain / 1.03, 8: 9.0})
+    assert SpecPolicy(8, "auto", costs=costs).peek(8, requests) == 1
+    assert SpecPolicy(8, "auto", margin=0.0, costs=costs).peek(8, requests) == 4
+    close = _calibrated({1: 1.0, 2: 1.0, 4: 1.0, 8: expected(0.8, 7) / expected(0.8, 3) / 1.01})
+    assert SpecPolicy(8, "auto", costs=close).peek(8, requests) == 8
 
 
 def test_peek_changes_nothing():
@@ -178,9 +180,9 @@ def test_peek_changes_nothing():
     assert policy.choose(8, requests) == first
 
 
-def test_step_costs_take_the_median_and_fall_back_to_calibration():
+def test_step_costs_take_the_median_of_what_serving_measures():
     costs = StepCosts(window=5)
-    costs.calibrate(4, 2, 0.5)
+    costs.add(4, 2, 0.5)
     assert costs.measured(4, 2) == 0.5 and costs.measured(4, 4) is None
     assert costs.estimate(4, 4, [1, 2, 4]) == 0.5 and costs.estimate(8, 4, [1, 2, 4]) is None
     for seconds in (0.1, 0.1, 9.0, 0.1, 0.1):  # one stalled step
@@ -188,6 +190,66 @@ def test_step_costs_take_the_median_and_fall_back_to_calibration():
     assert costs.measured(4, 2) == 0.1
     costs.add(4, 2, 0.0)  # no clean sample
     assert costs.measured(4, 2) == 0.1
+
+
+def test_measured_steps_shift_every_calibrated_size_of_their_bucket():
+    """Steps of one size move the cost of every calibrated size of the bucket by the median of
+    measured minus calibrated seconds, so a size that has not run lately does not look cheap."""
+    costs = _calibrated({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})
+    for seconds in (1.5, 1.5, 9.0, 1.5):  # 4 nodes measured 0.2 s dearer, one stalled step
+        costs.add(8, 4, seconds)
+    assert costs.table()["8"] == pytest.approx({"1": 1.2, "2": 1.3, "4": 1.5, "8": 2.2})
+    assert costs.measured(16, 4) is None  # another bucket keeps nothing of it
+    for _ in range(5):
+        costs.add(8, 1, 0.01)  # far faster than calibrated: never below a tenth of calibration
+    assert costs.measured(8, 1) == pytest.approx(0.1)
+    policy = SpecPolicy(8, "auto", costs=_calibrated(COSTS))
+    chosen = simulate(policy, [0.0] * 4, {n: c + 0.5 for n, c in COSTS.items()}, 40)
+    assert chosen[-20:].count(1) >= 19
+
+
+def test_calibrations_at_two_contexts_give_the_cost_at_any():
+    """Between the calibrated contexts a size costs the straight line through them, and past them
+    the line goes on; the offset serving measures is taken at each step's own context."""
+    costs = StepCosts()
+    costs.calibrate(8, 16, 1.0, context=256)
+    costs.calibrate(8, 16, 2.0, context=1024)
+    assert costs.measured(8, 16, 640) == pytest.approx(1.5)
+    assert costs.measured(8, 16, 2048) == pytest.approx(3.0 + 1 / 3)
+    assert costs.measured(8, 16, 0) == pytest.approx(1.0 - 1 / 3)
+    costs.add(8, 16, 2.5, context=1024)  # 0.5 s dearer than calibrated there
+    assert costs.measured(8, 16, 256) == pytest.approx(1.5)
+    # Costs that grow with nodes times keys (tree attention), calibrated at two contexts: at each
+    # context the policy picks what brute force over the true line picks, and a longer context
+    # picks a smaller tree.
+    line = {n: (lambda L, n=n: 1.0 + 2e-5 * n * L) for n in tree_sizes(16)}
+    costs = StepCosts()
+    for n, cost in line.items():
+        for L in (256, 1024):
+            costs.calibrate(8, n, cost(L), context=L)
+    policy = SpecPolicy(16, "auto", costs=costs)
+    requests = [_fixed(0.8)] * 4
+    picks = {L: policy.peek(8, requests, context=L) for L in (128, 640, 4096)}
+    assert picks == {L: best_size([0.8] * 4, {n: cost(L) for n, cost in line.items()}) for L in picks}
+    assert picks[128] > picks[4096]
+
+
+def test_where_the_host_sets_the_pace_every_size_costs_its_time():
+    """A step lasts as long as the slower of the device and the host: with the host's work per
+    step above every calibrated size, all sizes cost the same and the largest tree wins; once the
+    host is quick again, the calibrated differences decide."""
+    costs = _calibrated(COSTS)
+    policy = SpecPolicy(16, "auto", costs=costs)
+    requests = [_fixed(0.9)] * 4
+    assert policy.peek(8, requests) == best_size([0.9] * 4, COSTS) < 16
+    for _ in range(5):
+        policy.observe(8, 4, 3.0, host=3.0)  # the host takes 3 s a step, the device 1.15 s
+    assert costs.table()["8"] == pytest.approx({str(n): 3.0 for n in COSTS})
+    assert policy.peek(8, requests) == 16
+    for _ in range(5):
+        policy.observe(8, 4, COSTS[4], host=0.2)
+    assert costs.table()["8"] == pytest.approx({str(n): c for n, c in COSTS.items()})
+    assert policy.peek(8, requests) == best_size([0.9] * 4, COSTS)
 
 
 def test_costs_are_kept_per_bucket():

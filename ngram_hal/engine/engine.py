@@ -212,6 +212,8 @@ class Engine:
         self._chains_for: OverlapRelay | None = None
         self._last_kind: str | None = None
         self._last_end = None
+        # The host's work in the last turn of the overlapped loop (its time not waiting for the device).
+        self._host_s = 0.0
         self.inflight: InflightStep | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -411,6 +413,7 @@ class Engine:
                 self._absorb(step, critical=True)
                 outputs += self._process(step, hidden=False)
             return outputs
+        start = time.perf_counter()
         prev, self.inflight = self.inflight, None
         if prev is not None and self._drafts_next():
             self._absorb(prev, critical=True)
@@ -419,6 +422,7 @@ class Engine:
             if not prev.absorbed:
                 self._absorb(prev, critical=False)
             outputs += self._process(prev, hidden=self.inflight is not None)
+            self._host_s = time.perf_counter() - start - prev.wait_s
         return outputs
 
     def _drafts_next(self) -> bool:
@@ -434,7 +438,7 @@ class Engine:
         if self._drafter_busy():
             return False
         running = self.sched.running
-        return self.policy.peek(self._bucket(len(running)), self._acceptances(running)) > 1
+        return self.policy.peek(self._bucket(len(running)), self._acceptances(running), self._context(running)) > 1
 
     def _drafter_busy(self) -> bool:
         """In ``auto``: the drafter still records in the background (a batch of prompts); steps
@@ -511,7 +515,8 @@ class Engine:
         B = len(reqs)
         bucket = self._bucket(B)
         acceptances = self._acceptances(reqs)
-        n = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances)
+        context = self._context(reqs)
+        n = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances, context)
         offered = [n - 1] * B
         if n > 1 and self.drafter is not None:
             size = n
@@ -572,12 +577,17 @@ class Engine:
         self.stats.tree_nodes += n
         shadow = None if guess is None else guess == result.accept_tokens
         step = self._ship("decode", reqs, result, logprobs, start, begin, shadow)
-        step.tree_size, step.bucket, step.offered = n, bucket, offered
+        step.tree_size, step.bucket, step.offered, step.context = n, bucket, offered, context
         return step
 
     def _bucket(self, batch_size: int) -> int:
         """The batch bucket whose step costs a batch of ``batch_size`` requests shares."""
         return next(b for b in self._buckets if b >= batch_size)
+
+    def _context(self, reqs: list[Request]) -> float:
+        """The mean keys per request before a step's trees (as the host knows the lengths: the
+        step in flight not counted); 0 where the policy does not read it (``always``)."""
+        return sum(r.seq_len for r in reqs) / len(reqs) if self.policy.mode == "auto" else 0.0
 
     def _acceptances(self, reqs: list[Request]) -> list[Acceptance]:
         """Each request's record of accepted drafts (a new one for a request's first verify step);
@@ -711,13 +721,14 @@ class Engine:
         """Feed a finished step to the statistics and the speculation policy. A step's time is the
         device's ``interval`` since the previous step ended where the runtime times it (None
         after a prefill); on a host runtime, where a step computes inside its launch, the launch's
-        host time (drafting included)."""
+        host time (drafting included). The policy also gets the host's work in the last turn of
+        the overlapped loop, the floor under any step's time where the host sets the pace."""
         if step.kind == "decode":
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
             seconds = step.launch_s if self.backend.runtime.is_host else interval
             if rows and self._last_kind == "decode":
-                self.policy.observe(step.bucket, step.tree_size, seconds)
+                self.policy.observe(step.bucket, step.tree_size, seconds, step.context, self._host_s)
         self._last_kind = step.kind
 
     def _process(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:

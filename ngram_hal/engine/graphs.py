@@ -29,6 +29,7 @@ is not used; :class:`GreedyStep` also runs eagerly, which is how its padding is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -225,22 +226,48 @@ class StepGraphs:
             for padded in self.buckets:
                 self._forward(padded, nodes)
 
-    def calibrate(self, costs, node_sizes, replays: int = 3) -> None:
+    def calibrate(self, costs, node_sizes, contexts: Sequence[int] | None = None, replays: int = 3) -> None:
         """Time the captured greedy step of every batch bucket for each tree size in ``node_sizes``
-        and give each time to ``costs`` (a :class:`~ngram_hal.engine.policy.StepCosts`) as that
-        key's calibration. Must run before any step is loaded: the replays then run the inputs
-        of capture, which store nothing."""
+        at each context in ``contexts`` (keys per request; default an eighth and a half of the
+        request table's width) and give each time to ``costs`` (a
+        :class:`~ngram_hal.engine.policy.StepCosts`) as that key's calibration at that context.
+
+        Each request of a replay reads its keys from slots of its own, as a served batch does, so
+        that attention costs what it will; none is live (``count`` 0), so nothing is stored, moved
+        or drafted. The request table's rows are lent for the replays and given back as they
+        were. Must run before any step is loaded."""
+        r2t = self.req_to_token
+        R, M = r2t.shape
+        contexts = [M // 8, M // 2] if contexts is None else list(contexts)
+        room = M - max(node_sizes)
+        bad = [L for L in contexts if not 0 <= L <= room]
+        if bad or not contexts:
+            raise ValueError(f"contexts: expected keys from 0 to {room}, got {contexts}")
+        rows = min(R, self.buckets[-1])
+        dev = r2t.device
+        lent = r2t[:rows].clone()
+        L = max(contexts)
+        r2t[:rows, :L] = (torch.arange(rows * L, dtype=r2t.dtype, device=dev) % self.kv.num_slots).view(rows, L)
         begin, end = self.runtime.new_event(enable_timing=True), self.runtime.new_event(enable_timing=True)
-        for nodes in node_sizes:
-            for padded in self.buckets:
-                _, graph = self._step(padded, nodes)
-                graph.replay()
-                begin.record(self.runtime.current_stream())
-                for _ in range(replays):
-                    graph.replay()
-                end.record(self.runtime.current_stream())
-                end.synchronize()
-                costs.calibrate(padded, nodes, begin.elapsed_time(end) / 1e3 / replays)
+        try:
+            for nodes in node_sizes:
+                for padded in self.buckets:
+                    step, graph = self._step(padded, nodes)
+                    step.rows.copy_(torch.arange(padded, dtype=torch.int64, device=dev) % rows)
+                    step.count.fill_(0)
+                    for context in contexts:
+                        step.seq_lens.fill_(context)
+                        graph.replay()
+                        begin.record(self.runtime.current_stream())
+                        for _ in range(replays):
+                            graph.replay()
+                        end.record(self.runtime.current_stream())
+                        end.synchronize()
+                        costs.calibrate(padded, nodes, begin.elapsed_time(end) / 1e3 / replays, context)
+                    step.rows.fill_(0)
+                    step.seq_lens.fill_(0)
+        finally:
+            r2t[:rows].copy_(lent)
 
     def greedy_step(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
                     seq_lens: torch.Tensor, nodes: int) -> OverlapRelay:

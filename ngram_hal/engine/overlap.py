@@ -55,6 +55,7 @@ class InflightStep:
         tree_size: the nodes per request a decode step ran.
         bucket: the batch bucket a decode step's cost is kept under.
         offered: per request, the drafts a decode step offered it (None for a prefill).
+        context: a decode step's mean keys per request before its trees, as the policy read it.
         shadow: host bool[B] or None: for a plain step, whether each request's first draft (drafted
             on the device, not run) equals the token the step committed.
     """
@@ -72,6 +73,7 @@ class InflightStep:
     tree_size: int = 1
     bucket: int = 1
     offered: list[int] | None = None
+    context: float = 0.0
     absorbed: bool = False
     wait_s: float = field(default=0.0)
 

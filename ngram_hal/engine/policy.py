@@ -4,14 +4,18 @@ model expects to commit the most tokens per second for the whole batch.
 ``auto`` weighs two things, both measured while serving.
 
 * **What a step costs.** :class:`StepCosts` keeps the seconds of a verify step by batch bucket
-  and tree size (the median of its last few steps): on the device, between the completions of
-  consecutive steps, so host overheads count too; on a host runtime, where a step computes
-  inside its launch, the launch's time. Where steps are captured the engine replays each
-  captured size once per bucket when it starts (:meth:`StepCosts.calibrate`), so the model knows
-  every size before the first request; a size not measured yet costs as much as the next smaller
-  size measured (a guess that one step corrects).
+  and tree size. Where steps are captured the engine replays each captured size once per bucket
+  when it starts, at two contexts (an eighth and a half of the request table's keys per request:
+  :meth:`StepGraphs.calibrate <ngram_hal.engine.graphs.StepGraphs.calibrate>`), so the model knows
+  every size before the first request and how its cost grows with the context (tree attention
+  reads every key for every node). A step lasts as long as the slower of that and the host's
+  work per step (which the engine measures); serving measures each step on the device, between
+  the completions of consecutive steps, and shifts every size of the bucket by the median of
+  measured minus estimated seconds. On a host runtime, where a step computes inside its launch,
+  each size costs the median of its last launches; a size not measured yet costs as much as the
+  next smaller size measured (a guess that one step corrects).
 * **What a step commits.** Every request keeps an :class:`Acceptance` of two rates, over about
-  its last ten steps and drafts: how often its first draft is accepted (``p_first``), and how often
+  its last ten steps: how often its first draft is accepted (``p_first``), and how often
   a draft is accepted once the one before it was (``p_next``). N-gram drafts are accepted in runs:
   a request copying its context accepts most of a chain once the first draft is right, while the
   first draft is often wrong, so one rate for every draft would undervalue long chains. Only the
@@ -22,12 +26,11 @@ model expects to commit the most tokens per second for the whole batch.
 
 The next size is the one with the highest ``sum of every request's expected tokens / step
 cost``: throughput of the whole batch, so copy-heavy requests speculate even beside open-ended
-ones, while a request that accepts nothing adds about one token to every size alike. The
-smallest size within ``margin`` (5%) of the best is taken, and plain steps unless speculation
-beats them by the margin; where the host sets the pace every size costs about the same and
-timing noise would otherwise pick larger trees. After ``probe_every`` plain steps in a row the
-next step runs two nodes (the gap doubling, up to eight times, while plain stays best), so that
-acceptance follows the text where nothing else scores drafts. Greedy output is unaffected: every
+ones, while a request that accepts nothing adds about one token to every size alike. Plain
+steps run unless the best size beats them by ``margin`` (5%), so timing noise does not make a
+batch that gains nothing speculate. After ``probe_every`` plain steps in a row the next step
+runs two nodes (the gap doubling, up to eight times, while plain stays best), so that acceptance
+follows the text where nothing else scores drafts. Greedy output is unaffected: every
 step is exact whatever its size, and sampling draws by position (:mod:`ngram_hal.engine.sampling`).
 """
 
@@ -47,8 +50,9 @@ class Acceptance:
     """One request's record of accepted drafts, as two rates: of its first drafts, and of the
     drafts after an accepted one. Each verify step is one first-draft trial (a success when the
     first draft is accepted) and, past an accepted first draft, one trial per further draft up to
-    the first rejection. Each trial decays the counts of its own rate by ``decay`` (so the record
-    follows the last ten or so steps and drafts)."""
+    the first rejection. Each step first decays every count by ``decay``, so the record follows
+    about the last ten steps; a step's many later-draft trials count in full, so a request that
+    copies whole chains reaches a ``p_next`` near one, as long chains need."""
 
     def __init__(self, decay: float = 0.9):
         self.decay = decay
@@ -71,26 +75,21 @@ class Acceptance:
         """The estimated probability that a draft is accepted, given the one before it was."""
         return self._rate(self.later)
 
-    def _trials(self, counts: list[float], successes: int, failure: bool) -> None:
-        """``successes`` successful trials in a row, then one failed one where ``failure``: each
-        trial decays both counts and adds one to its own (the closed form of that loop)."""
-        if successes:
-            kept = self.decay ** successes
-            gained = successes if self.decay == 1.0 else (1.0 - kept) / (1.0 - self.decay)
-            counts[0] = kept * counts[0] + gained
-            counts[1] *= kept
-        if failure:
-            counts[0] *= self.decay
-            counts[1] = self.decay * counts[1] + 1.0
-
     def add(self, offered: int, accepted: int) -> None:
         """A verify step offered ``offered`` drafts and the request accepted ``accepted`` of them."""
         if offered < 1:
             return
         accepted = min(accepted, offered)
-        self._trials(self.first, int(accepted >= 1), accepted < 1)
-        if accepted >= 1:
-            self._trials(self.later, accepted - 1, accepted < offered)
+        for counts in (self.first, self.later):
+            counts[0] *= self.decay
+            counts[1] *= self.decay
+        if accepted < 1:
+            self.first[1] += 1.0
+            return
+        self.first[0] += 1.0
+        self.later[0] += accepted - 1
+        if accepted < offered:
+            self.later[1] += 1.0
 
     def expected_tokens(self, drafts: int) -> float:
         """Tokens a step commits with ``drafts`` drafts offered:
@@ -108,40 +107,91 @@ def expected_tokens(p_first: float, p_next: float, drafts: int) -> float:
 
 
 class StepCosts:
-    """Seconds of a verify step by (batch bucket, tree size): the median of the last ``window``
-    measured steps, or the calibration value before any."""
+    """Seconds of a verify step by (batch bucket, tree size) and context.
+
+    A step takes as long as the slower of the device and the host: the device runs it while the
+    host commits, reports and enqueues the steps around it. So a calibrated size (replays of its
+    captured step, at two or more contexts) costs the larger of its calibration at the step's
+    context (the mean keys per request before the tree: piecewise linear between the calibrated
+    contexts, extended linearly past them) and the host's time per step (the median of the
+    bucket's last ``window`` steps), plus the bucket's offset: the median, over those steps, of
+    measured seconds minus that estimate (what the replays leave out), the sum never less than a
+    tenth of the calibration. Every size of a bucket moves with what serving measures, so the
+    size run most is not the only one that looks dear, and where the host sets the pace every
+    size costs about the same. A size never calibrated (a host runtime) costs the median of its
+    own last ``window`` measured steps, whatever the context.
+    """
 
     def __init__(self, window: int = 5):
         self.window = window
         self._steps: dict[tuple[int, int], deque[float]] = {}
         self._medians: dict[tuple[int, int], float] = {}
-        self._calibrated: dict[tuple[int, int], float] = {}
+        self._calibrated: dict[tuple[int, int], dict[int, float]] = {}
+        self._residuals: dict[int, deque[float]] = {}
+        self._offsets: dict[int, float] = {}
+        self._hosts: dict[int, deque[float]] = {}
+        self._host: dict[int, float] = {}
 
-    def add(self, bucket: int, nodes: int, seconds: float) -> None:
-        """A step of ``nodes`` nodes per request over a batch in ``bucket`` took ``seconds``."""
+    def add(self, bucket: int, nodes: int, seconds: float, context: float = 0.0, host: float = 0.0) -> None:
+        """A step of ``nodes`` nodes per request over a batch in ``bucket``, its requests holding
+        ``context`` keys on average, took ``seconds``, while the host worked ``host`` seconds on
+        the engine's loop."""
+        if not seconds > 0:
+            return
+        calibrated = self._calibration(bucket, nodes, context)
+        if calibrated is not None:
+            hosts = self._hosts.setdefault(bucket, deque(maxlen=self.window))
+            hosts.append(host)
+            self._host[bucket] = statistics.median(hosts)
+            residuals = self._residuals.setdefault(bucket, deque(maxlen=self.window))
+            residuals.append(seconds - max(host, calibrated))
+            self._offsets[bucket] = statistics.median(residuals)
+            return
+        samples = self._steps.setdefault((bucket, nodes), deque(maxlen=self.window))
+        samples.append(seconds)
+        self._medians[(bucket, nodes)] = statistics.median(samples)
+
+    def calibrate(self, bucket: int, nodes: int, seconds: float, context: int = 0) -> None:
+        """A cost measured apart from serving (a replay of the captured step whose requests read
+        ``context`` keys each)."""
         if seconds > 0:
-            samples = self._steps.setdefault((bucket, nodes), deque(maxlen=self.window))
-            samples.append(seconds)
-            self._medians[(bucket, nodes)] = statistics.median(samples)
+            self._calibrated.setdefault((bucket, nodes), {})[context] = seconds
 
-    def calibrate(self, bucket: int, nodes: int, seconds: float) -> None:
-        """A cost measured apart from serving (a replay of the captured step), used until steps are."""
-        if seconds > 0:
-            self._calibrated[(bucket, nodes)] = seconds
+    def _calibration(self, bucket: int, nodes: int, context: float) -> float | None:
+        points = self._calibrated.get((bucket, nodes))
+        if not points:
+            return None
+        ctx = sorted(points)
+        if len(ctx) == 1:
+            return points[ctx[0]]
+        i = next((k for k in range(1, len(ctx) - 1) if context < ctx[k]), len(ctx) - 1)
+        lo, hi = ctx[i - 1], ctx[i]
+        cost = points[lo] + (points[hi] - points[lo]) * (context - lo) / (hi - lo)
+        return max(cost, 0.1 * points[ctx[0]])
 
-    def measured(self, bucket: int, nodes: int) -> float | None:
-        """The known cost of the key, or None."""
-        found = self._medians.get((bucket, nodes))
-        return found if found is not None else self._calibrated.get((bucket, nodes))
+    def measured(self, bucket: int, nodes: int, context: float = 0.0) -> float | None:
+        """The known cost of the key at ``context``, or None."""
+        calibrated = self._calibration(bucket, nodes, context)
+        if calibrated is not None:
+            paced = max(calibrated, self._host.get(bucket, 0.0))
+            return max(paced + self._offsets.get(bucket, 0.0), 0.1 * calibrated)
+        return self._medians.get((bucket, nodes))
 
-    def estimate(self, bucket: int, nodes: int, sizes: Sequence[int]) -> float | None:
-        """The key's cost, or (unknown) that of the largest smaller size in ``sizes`` known for the
-        bucket; None when no size of the bucket is known."""
+    def estimate(self, bucket: int, nodes: int, sizes: Sequence[int], context: float = 0.0) -> float | None:
+        """The key's cost at ``context``, or (unknown) that of the largest smaller size in
+        ``sizes`` known for the bucket; None when no size of the bucket is known."""
         for n in sorted((s for s in sizes if s <= nodes), reverse=True):
-            cost = self.measured(bucket, n)
+            cost = self.measured(bucket, n, context)
             if cost is not None:
                 return cost
         return None
+
+    def table(self, context: float = 0.0) -> dict[str, dict[str, float]]:
+        """Every known cost at ``context`` as ``{bucket: {nodes: seconds}}`` (strings, for a JSON report)."""
+        out: dict[str, dict[str, float]] = {}
+        for bucket, nodes in sorted(set(self._calibrated) | set(self._medians)):
+            out.setdefault(str(bucket), {})[str(nodes)] = self.measured(bucket, nodes, context)
+        return out
 
 
 class SpecPolicy:
@@ -152,7 +202,8 @@ class SpecPolicy:
         mode: ``"always"`` (every step uses D) or ``"auto"`` (see the module docstring).
         probe_every: in ``auto``, plain steps in a row after which a step of two nodes runs; the
             gap doubles, up to ``8 * probe_every``, while such probes leave plain steps best.
-        margin: how much more throughput a larger size must promise to be chosen (0.05: 5%).
+        margin: how much more throughput than plain steps speculation must promise to be chosen
+            (0.05: 5%).
         costs: the step costs to start from (those of an earlier policy of the same engine).
     """
 
@@ -172,33 +223,35 @@ class SpecPolicy:
         self._plain_run = 0
         self._probe_gap = probe_every
 
-    def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance]) -> float | None:
-        """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``;
-        None while no cost of the bucket is known."""
-        return self._rate(bucket, nodes, [(a.p_first, a.p_next) for a in requests])
+    def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance], context: float = 0.0) -> float | None:
+        """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``
+        holding ``context`` keys each on average; None while no cost of the bucket is known."""
+        return self._rate(bucket, nodes, [(a.p_first, a.p_next) for a in requests], context)
 
-    def _rate(self, bucket: int, nodes: int, rates: list[tuple[float, float]]) -> float | None:
-        cost = self.costs.estimate(bucket, nodes, self.sizes)
+    def _rate(self, bucket: int, nodes: int, rates: list[tuple[float, float]], context: float) -> float | None:
+        cost = self.costs.estimate(bucket, nodes, self.sizes, context)
         if cost is None:
             return None
         return sum(expected_tokens(first, later, nodes - 1) for first, later in rates) / cost
 
-    def peek(self, bucket: int, requests: Sequence[Acceptance]) -> int:
-        """The size :meth:`choose` would return now for ``requests`` in ``bucket``, choosing nothing."""
+    def peek(self, bucket: int, requests: Sequence[Acceptance], context: float = 0.0) -> int:
+        """The size :meth:`choose` would return now for ``requests`` in ``bucket`` holding
+        ``context`` keys each on average, choosing nothing."""
         if len(self.sizes) == 1:
             return self.sizes[0]
         if self._plain_run >= self._probe_gap:
             return self.sizes[1]
-        if self.costs.measured(bucket, 1) is None:
+        if self.costs.measured(bucket, 1, context) is None:
             return 1
         pairs = [(a.p_first, a.p_next) for a in requests]
-        rates = {n: self._rate(bucket, n, pairs) for n in self.sizes}
-        top = max(rates.values())
-        return next(n for n in self.sizes if rates[n] * (1 + self.margin) >= top)
+        rates = {n: self._rate(bucket, n, pairs, context) for n in self.sizes}
+        best = max(self.sizes, key=rates.__getitem__)
+        return best if rates[best] >= rates[1] * (1 + self.margin) else 1
 
-    def choose(self, bucket: int, requests: Sequence[Acceptance]) -> int:
-        """The draft-tree size of the next verify step of ``requests`` in batch ``bucket``."""
-        nodes = self.peek(bucket, requests)
+    def choose(self, bucket: int, requests: Sequence[Acceptance], context: float = 0.0) -> int:
+        """The draft-tree size of the next verify step of ``requests`` in batch ``bucket``, holding
+        ``context`` keys each on average."""
+        nodes = self.peek(bucket, requests, context)
         if nodes == 1:
             self._plain_run += 1
         else:
@@ -208,14 +261,17 @@ class SpecPolicy:
         self.chosen[nodes] += 1
         return nodes
 
-    def observe(self, bucket: int, nodes: int, seconds: float | None) -> None:
+    def observe(self, bucket: int, nodes: int, seconds: float | None, context: float = 0.0,
+                host: float = 0.0) -> None:
         """A verify step ran ``nodes`` nodes per request (after any cut to the drafts' size) over a
-        batch in ``bucket`` in ``seconds``: the device time from the previous decode step's
-        completion to this one's, or None when that is no clean sample (a prefill ran between).
+        batch in ``bucket`` holding ``context`` keys each on average, in ``seconds``: the device
+        time from the previous decode step's completion to this one's, or None when that is no
+        clean sample (a prefill ran between); ``host`` is the host's work per turn of the loop
+        meanwhile (its time not spent waiting for the device).
 
         Where steps overlap, the completions must be read on the device: the host learns of a
         step's completion only when it waits for it, which for an overlapped step is after it
         has launched the next one, so host times move the launch cost of a step onto the one
         before it."""
         if seconds is not None:
-            self.costs.add(bucket, nodes, seconds)
+            self.costs.add(bucket, nodes, seconds, context, host)

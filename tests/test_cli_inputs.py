@@ -188,13 +188,15 @@ def test_the_largest_seed_samples(tiny_model):
     assert [len(o.token_ids) for o in outs] == [3, 3] and not any(o.error for o in outs)
 
 
-@pytest.mark.parametrize("spec_nodes,max_context_len,num_slots", [(4, 64, 4096), (1, 32, 4096), (4, 64, 60)])
-def test_the_prompt_rule_is_the_engines(tiny_model, spec_nodes, max_context_len, num_slots):
+@pytest.mark.parametrize("spec_nodes,max_context_len,num_slots,page_size",
+                         [(4, 64, 4096, 1), (1, 32, 4096, 1), (4, 64, 60, 1), (4, 64, 60, 16), (2, 64, 50, 7)])
+def test_the_prompt_rule_is_the_engines(tiny_model, spec_nodes, max_context_len, num_slots, page_size):
     """For every prompt length around the limits, the command refuses exactly what the engine would."""
     engine = Engine(tiny_model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=num_slots,
-                                                   max_context_len=max_context_len, graphs=False))
+                                                   max_context_len=max_context_len, graphs=False, page_size=page_size))
     for n in range(1, max_context_len + 2):
         params = SamplingParams(max_new_tokens=16)
         engine_says = engine.sched.check(Request([1] * n, params))
-        ours = prompt_room_error(n, 16, spec_nodes, max_context_len, num_slots, f"--spec-nodes {spec_nodes}")
+        ours = prompt_room_error(n, 16, spec_nodes, max_context_len, num_slots, f"--spec-nodes {spec_nodes}",
+                                 page_size)
         assert (engine_says is None) == (ours is None), (n, engine_says, ours)

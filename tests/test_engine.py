@@ -297,6 +297,37 @@ def test_slots_exhausted_and_recovered(model, prompts, reference, drafter):
     assert again.token_ids == reference[0].token_ids
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 7])
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_pages_of_any_size_give_the_same_tokens(prompts, reference, page_size, strict):
+    """Slots come in pages through the HAL's alloc_extend: with pages of 1, 16 or 7 slots (a
+    request fills its last page before taking another, and a cache of 200 slots holds only some
+    requests at once, so pages are given back and taken again) greedy speculation commits the
+    reference tokens, each request's slots lie page by page, and every page comes back."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
+    backend = CpuBackend(strict=strict)
+    engine = make(LlamaModel.random(cfg, backend, seed=2), spec_nodes=8, num_slots=200, page_size=page_size)
+    calls = []
+    alloc_extend = backend.alloc_extend
+    backend.alloc_extend = lambda *args: calls.append(args[4]) or alloc_extend(*args)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
+    outputs, layouts = [], []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        for r in engine.sched.running:
+            # Position p sits at offset p % page_size of the page that holds its page's first position.
+            slots, pos = engine.sched.req_to_token[r.row, :r.allocated], torch.arange(r.allocated)
+            pages = slots // page_size
+            layouts.append(bool((slots % page_size == pos % page_size).all()
+                                and (pages == pages[pos // page_size * page_size]).all()))
+    final = {o.rid: o for o in outputs if o.finished}
+    assert [final[rid].token_ids for rid in rids] == [r.token_ids for r in reference]
+    assert calls and set(calls) == {page_size} and all(layouts)
+    assert engine.sched.slots.num_slots == 200 // page_size * page_size
+    assert_all_free(engine)
+
+
 def test_request_larger_than_the_cache_fails_alone(model, prompts, reference):
     engine = make(model, spec_nodes=8, num_slots=100)
     outs = engine.generate([prompts[0], prompts[3], prompts[2]],
@@ -422,6 +453,17 @@ def test_engine_config_needs_room_for_the_draft_trees():
     with pytest.raises(ValueError, match="spec_nodes 100000 leaves no room in max_context_len 2048.*at most 682"):
         EngineConfig(spec_nodes=100000)
     assert EngineConfig(spec_nodes=682).spec_nodes == 682
+    with pytest.raises(ValueError, match="page_size 64 exceeds num_slots 32"):
+        EngineConfig(num_slots=32, page_size=64)
+
+
+def test_a_page_size_the_backend_does_not_take_is_refused(model):
+    backend = CpuBackend()
+    backend.page_sizes = [1, 16]  # as a backend whose alloc_extend takes only some sizes lists them
+    listing = LlamaModel.random(model.config, backend, seed=2)
+    with pytest.raises(ValueError, match="page_size 8: the 'cpu' backend's alloc_extend takes pages of 1, 16"):
+        Engine(listing, None, EngineConfig(page_size=8, num_slots=256))
+    assert Engine(listing, None, EngineConfig(page_size=16, num_slots=256)).sched.slots.page_size == 16
 
 
 def test_strict_backend_runs_the_loop(prompts, reference):

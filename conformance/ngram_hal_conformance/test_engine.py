@@ -18,12 +18,12 @@ from ngram_hal.engine import Engine, EngineConfig, LlamaConfig, LlamaModel, Samp
 
 from .checks import host
 
-ENGINE_OPS = ["assign_req_to_token", "gather_cache_locs", "store_kv", "move_kv", "accepted_kv_moves",
-              "reconstruct_tree", "verify_tree_greedy", "attention"]
+ENGINE_OPS = ["alloc_extend", "assign_req_to_token", "gather_cache_locs", "store_kv", "move_kv",
+              "accepted_kv_moves", "reconstruct_tree", "verify_tree_greedy", "attention"]
 # What a speculative greedy decode must call on every backend (a backend whose model kernels store
 # K/V themselves does not call store_kv).
-SPECULATIVE_OPS = {"assign_req_to_token", "gather_cache_locs", "move_kv", "accepted_kv_moves", "reconstruct_tree",
-                   "verify_tree_greedy", "attention"}
+SPECULATIVE_OPS = {"alloc_extend", "assign_req_to_token", "gather_cache_locs", "move_kv", "accepted_kv_moves",
+                   "reconstruct_tree", "verify_tree_greedy", "attention"}
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, tie_word_embeddings=False, eos_token_id=None)
 # Repetitive prompts, so that speculation drafts and accepts tokens.
@@ -35,16 +35,16 @@ KV_TOLERANCE = (1e-3, 1e-3)
 
 
 class Decode:
-    """A batched greedy decode stepped to the end: tokens and verify steps per request, after each
-    step the host K/V ``[L, n, H, d]`` of the committed positions of every running request, and
-    how often the engine called each HAL op (``calls``)."""
+    """A batched greedy decode stepped to the end, its KV slots in pages of ``page_size``: tokens
+    and verify steps per request, after each step the host K/V ``[L, n, H, d]`` of the committed
+    positions of every running request, and how often the engine called each HAL op (``calls``)."""
 
-    def __init__(self, backend, spec_nodes: int):
+    def __init__(self, backend, spec_nodes: int, page_size: int = 1):
         self.calls: Counter[str] = Counter()
         for op in OPS:
             setattr(backend, op, self._counted(op, getattr(backend, op)))
         try:
-            self._decode(backend, spec_nodes)
+            self._decode(backend, spec_nodes, page_size)
         finally:
             for op in OPS:
                 delattr(backend, op)
@@ -55,9 +55,10 @@ class Decode:
             return method(*args, **kwargs)
         return call
 
-    def _decode(self, backend, spec_nodes: int) -> None:
+    def _decode(self, backend, spec_nodes: int, page_size: int) -> None:
         model = LlamaModel.random(TINY, backend, seed=3)
-        engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128))
+        engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128,
+                                                  page_size=page_size))
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
         rids = [engine.add_request(p, params, rid=f"prompt{i}") for i, p in enumerate(PROMPTS)]
         self.kv_steps: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -80,13 +81,13 @@ class Decode:
 
 @pytest.fixture(scope="module")
 def reference_decode(reference):
-    """The reference backend's decode for a spec size, run once per module."""
-    runs: dict[int, Decode] = {}
+    """The reference backend's decode for a spec size and page size, run once per module."""
+    runs: dict[tuple[int, int], Decode] = {}
 
-    def run(spec_nodes: int) -> Decode:
-        if spec_nodes not in runs:
-            runs[spec_nodes] = Decode(reference, spec_nodes)
-        return runs[spec_nodes]
+    def run(spec_nodes: int, page_size: int = 1) -> Decode:
+        if (spec_nodes, page_size) not in runs:
+            runs[(spec_nodes, page_size)] = Decode(reference, spec_nodes, page_size)
+        return runs[(spec_nodes, page_size)]
 
     return run
 
@@ -107,11 +108,15 @@ def _assert_same_kv(got: Decode, want: Decode) -> None:
 
 @pytest.mark.conformance(op=ENGINE_OPS, tier="engine")
 @pytest.mark.filterwarnings("ignore:record_property is incompatible with junit_family")
-@pytest.mark.parametrize("spec_nodes", [1, 4], ids=["no-spec", "spec-4"])
-def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes, record_property):
-    """K/V after every step, token ids and verify steps of a batched greedy decode equal the
-    reference backend's; the engine calls only the ops the test is filed under."""
-    got, want = Decode(backend, spec_nodes), reference_decode(spec_nodes)
+@pytest.mark.parametrize("spec_nodes,page_size", [(1, 1), (4, 1), (4, 16)], ids=["no-spec", "spec-4", "spec-4-page-16"])
+def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes, page_size, record_property):
+    """K/V after every step, token ids and verify steps of a batched greedy decode, its KV slots
+    in pages of 1 or 16, equal the reference backend's (and, in pages of 16, the reference's in
+    pages of 1); the engine calls only the ops the test is filed under."""
+    listed = backend.capabilities().page_sizes
+    if listed is not None and page_size not in listed:
+        pytest.skip(f"the backend lists page sizes {listed}; this case uses {page_size}")
+    got, want = Decode(backend, spec_nodes, page_size), reference_decode(spec_nodes, page_size)
     record_property("engine_ops", ",".join(sorted(got.calls)))
     called = set(got.calls)
     assert called <= set(ENGINE_OPS), f"the engine called ops not in ENGINE_OPS: {sorted(called - set(ENGINE_OPS))}"
@@ -124,3 +129,5 @@ def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes, 
     assert got.tokens == want.tokens, "greedy tokens differ from the reference backend"
     assert got.verify_steps == want.verify_steps, "verify steps differ from the reference backend"
     assert len(got.kv_steps) == len(want.kv_steps), "engine steps differ from the reference backend"
+    if page_size > 1:
+        assert want.tokens == reference_decode(spec_nodes).tokens, "the reference's tokens depend on the page size"

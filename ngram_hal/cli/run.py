@@ -71,6 +71,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "on the device (default: device on a backend with Triton model kernels, trie elsewhere)")
     parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=16384,
                         help="KV-cache slots (default 16384)")
+    parser.add_argument("--page-size", type=field_type(EngineConfig, "page_size"), default=1,
+                        help="KV slots per page of the allocator (default 1)")
     parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
                         help="positions per request (default 2048)")
     parser.add_argument("--threads", type=POSITIVE_INT, default=None,
@@ -160,23 +162,25 @@ def prompt_origin(args: argparse.Namespace, spec: PromptSpec) -> str:
 
 
 def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, max_context_len: int,
-                      num_slots: int, nodes_option: str) -> str | None:
+                      num_slots: int, nodes_option: str, page_size: int = 1) -> str | None:
     """Why the engine would refuse a prompt of ``prompt_tokens`` tokens, or None when it takes it.
 
     The engine's rule (:func:`~ngram_hal.engine.scheduler.request_room`, which
     :meth:`Scheduler.check <ngram_hal.engine.scheduler.Scheduler.check>` applies): a request keeps
     ``3 * spec_nodes`` positions of its ``max_context_len`` for draft trees and needs one more for
     an output token, and the prompt, its output and the draft trees must fit ``num_slots`` KV
-    slots. ``nodes_option`` names the option that set ``spec_nodes`` (``"--spec-nodes 8"``).
+    slots, in whole pages of ``page_size``. ``nodes_option`` names the option that set
+    ``spec_nodes`` (``"--spec-nodes 8"``).
     """
     n, trees = prompt_tokens, 3 * spec_nodes
     fit = request_room(n, max_new_tokens, spec_nodes, max_context_len)
     if fit is None:
         return (f"{n} prompt tokens; --max-context-len {max_context_len} holds at most {max_context_len - trees - 1} "
                 f"with {nodes_option} ({trees} positions stay free for draft trees)")
-    budget = fit[1]
-    if budget > num_slots:
-        return (f"{n} prompt tokens need {budget} KV slots with their output and draft trees; "
+    budget = -(-fit[1] // page_size) * page_size
+    if budget > num_slots // page_size * page_size:
+        pages = f" (pages of {page_size})" if page_size > 1 else ""
+        return (f"{n} prompt tokens need {budget} KV slots{pages} with their output and draft trees; "
                 f"--num-slots {num_slots} holds fewer")
     return None
 
@@ -192,7 +196,7 @@ def check_prompts(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argpa
         except jinja2.TemplateError as exc:
             raise CommandError(f"{prompt_origin(args, spec)}: the model's chat template refuses it ({exc})") from exc
         why = prompt_room_error(n, spec.max_new_tokens or new_tokens, spec_nodes, args.max_context_len,
-                                args.num_slots, nodes_option)
+                                args.num_slots, nodes_option, getattr(args, "page_size", 1))
         if why is not None:
             raise CommandError(f"{prompt_origin(args, spec)}: {why}")
 
@@ -362,7 +366,7 @@ class Setup:
         a = self.args
         config = EngineConfig(spec_nodes=spec_nodes, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,
                               num_slots=num_slots or a.num_slots, max_running=batch_size,
-                              max_context_len=a.max_context_len,
+                              max_context_len=a.max_context_len, page_size=getattr(a, "page_size", 1),
                               graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
         return Engine(model or self.model, self.tokenizer, config)
 

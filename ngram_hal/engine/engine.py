@@ -75,7 +75,8 @@ class EngineConfig(BaseModel):
     request. ``"device"`` drafts the linear drafter's chains on the device
     (:class:`~ngram_hal.speculative.lookup.DeviceDrafter`): the host never sees a draft, so every
     step runs the nodes the policy chose, and speculative steps overlap like plain ones.
-    ``num_slots`` sizes the KV cache; ``max_running`` bounds the batch; ``max_context_len`` is
+    ``num_slots`` sizes the KV cache, handed out in pages of ``page_size`` slots (the last
+    ``num_slots % page_size`` unused); ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
     at most :meth:`max_spec_nodes` of it.
     ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
@@ -92,6 +93,7 @@ class EngineConfig(BaseModel):
     overlap: bool = True
     graphs: bool = True
     num_slots: int = Field(16384, ge=1)
+    page_size: int = Field(1, ge=1)
     max_running: int = Field(32, ge=1)
     max_context_len: int = Field(2048, ge=8)
     max_prefill_tokens: int = Field(4096, ge=1)
@@ -104,7 +106,9 @@ class EngineConfig(BaseModel):
         return (max_context_len - 2) // 3
 
     @model_validator(mode="after")
-    def _room_for_trees(self) -> "EngineConfig":
+    def _check_sizes(self) -> "EngineConfig":
+        if self.page_size > self.num_slots:
+            raise ValueError(f"page_size {self.page_size} exceeds num_slots {self.num_slots}: the cache holds no page")
         limit = self.max_spec_nodes(self.max_context_len)
         if self.spec_nodes > limit:
             raise ValueError(f"spec_nodes {self.spec_nodes} leaves no room in max_context_len {self.max_context_len} "
@@ -179,13 +183,18 @@ class Engine:
         self.config = config or EngineConfig()
         self.model = model
         self.backend = model.backend
+        supported = self.backend.page_sizes
+        if supported is not None and self.config.page_size not in supported:
+            raise ValueError(f"page_size {self.config.page_size}: the '{self.backend.name}' backend's alloc_extend "
+                             f"takes pages of {', '.join(map(str, supported))}")
         self.tokenizer = tokenizer
         self.num_nodes = self.config.spec_nodes
         self.transfer = Transfer(self.backend.runtime)
         self.device = self.backend.device
         self.kv = model.new_kv_cache(self.config.num_slots)
         self.sched = Scheduler(self.backend, self.transfer, self.config.num_slots, self.config.max_running,
-                               self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens)
+                               self.config.max_context_len, self.num_nodes, self.config.max_prefill_tokens,
+                               self.config.page_size)
         self.lookup = None
         if drafter is None and self.num_nodes > 1 and self.config.drafter == "device":
             self.lookup = DeviceDrafter(self.backend, *self.sched.req_to_token.shape, num_nodes=self.num_nodes)

@@ -3,9 +3,11 @@
 Each request gets a slot budget when it arrives: its prompt, its (context-clamped) new tokens and
 ``3*D`` for the draft tree of the last step, the step the host may launch before it has seen that
 the request finished, and the ``2*D`` reserved ahead (more is reserved where the budget allows,
-which saves launches). A waiting request is admitted only when the free slots cover its budget on
-top of what the running requests may still claim, so a running request never meets an empty
-cache and nothing is ever preempted. A request whose budget exceeds the whole cache, or whose
+which saves launches). Slots come in pages of ``page_size`` through the HAL's ``alloc_extend``
+(a request fills the rest of its last page before it takes a new one), and budgets are counted
+in whole pages. A waiting request is admitted only when the free pages cover its budget on top of
+what the running requests may still claim, so a running request never meets an empty cache and
+nothing is ever preempted. A request whose budget exceeds the whole cache, or whose
 prompt leaves no room in the context, fails on its own with a clear error; the others are
 unaffected.
 """
@@ -45,13 +47,14 @@ class Scheduler:
         max_context_len: positions per request row (prompt + output + speculation room).
         num_nodes: D, draft-tree nodes per verify step (1 without speculation).
         max_prefill_tokens: prompt tokens per prefill step (a longer prompt runs alone).
+        page_size: KV slots per page.
     """
 
     def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
-                 max_context_len: int, num_nodes: int, max_prefill_tokens: int):
+                 max_context_len: int, num_nodes: int, max_prefill_tokens: int, page_size: int = 1):
         self.backend = backend
         self.transfer = transfer
-        self.slots = SlotAllocator(backend, num_slots)
+        self.slots = SlotAllocator(backend, num_slots, page_size)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.num_nodes = num_nodes
         # Slots reserved past a request's next step: at least 2*D, and 32 positions so that plain
@@ -75,13 +78,19 @@ class Scheduler:
             return (f"prompt of {n} tokens does not fit the context of {M} positions "
                     f"(at most {M - 3 * D - 1} prompt tokens with {D} draft nodes)")
         req.max_new_tokens, req.slot_budget = fit
-        if req.slot_budget > self.slots.num_slots:
-            return f"needs up to {req.slot_budget} KV slots; the cache holds {self.slots.num_slots}"
+        if self._pages(req.slot_budget) > self.slots.num_pages:
+            ps = self.slots.page_size
+            needed = f"{self._pages(req.slot_budget) * ps} KV slots" + (f" (pages of {ps})" if ps > 1 else "")
+            return f"needs up to {needed}; the cache holds {self.slots.num_slots}"
         return None
 
+    def _pages(self, slots: int) -> int:
+        """Pages holding ``slots`` positions of one request."""
+        return -(-slots // self.slots.page_size)
+
     def outstanding(self) -> int:
-        """Slots the running requests may still claim."""
-        return sum(r.slot_budget - r.allocated for r in self.running)
+        """Pages the running requests may still claim."""
+        return sum(self._pages(r.slot_budget) - self._pages(r.allocated) for r in self.running)
 
     def admit(self) -> list[Request]:
         """Move waiting requests (first come, first served) that fit now into the running set.
@@ -89,15 +98,15 @@ class Scheduler:
         Each admitted request gets a pool row and slots for its prompt plus ``ahead``.
         """
         admitted: list[Request] = []
-        free = self.slots.available() - self.outstanding()
+        free = self.slots.free_pages - self.outstanding()
         tokens = 0
         while self.waiting and self.pool.available() > len(admitted):
             req = self.waiting[0]
             n = len(req.prompt_ids)
-            if req.slot_budget > free or (admitted and tokens + n > self.max_prefill_tokens):
+            if self._pages(req.slot_budget) > free or (admitted and tokens + n > self.max_prefill_tokens):
                 break
             self.waiting.popleft()
-            free -= req.slot_budget
+            free -= self._pages(req.slot_budget)
             tokens += n
             admitted.append(req)
         if not admitted:
@@ -118,30 +127,37 @@ class Scheduler:
         self.extend(reqs, targets)
 
     def extend(self, reqs: list[Request], targets: list[int]) -> None:
-        """Allocate slots for positions ``allocated .. target - 1`` of each request and record them."""
+        """Allocate slots for positions ``allocated .. target - 1`` of each request (``alloc_extend``:
+        the rest of its last page first) and record them in the request table."""
         grow = [(r, t) for r, t in zip(reqs, targets) if t > r.allocated]
         if not grow:
             return
-        locs = self.slots.alloc(sum(t - r.allocated for r, t in grow))
         up = self.transfer.upload
-        self.backend.assign_req_to_token(self.req_to_token, up([r.row for r, _ in grow]),
-                                         up([r.allocated for r, _ in grow]), up([t for _, t in grow]), locs)
+        prefix, seq = [r.allocated for r, _ in grow], [t for _, t in grow]
+        rows, prefix_dev, seq_dev = up([r.row for r, _ in grow]), up(prefix), up(seq)
+        # The slot of each request's last allocated position (-1 where it holds none).
+        last = self.req_to_token[rows, (prefix_dev - 1).clamp(min=0)]
+        last = torch.where(prefix_dev > 0, last, torch.full_like(last, -1))
+        locs = self.slots.alloc_extend(prefix_dev, seq_dev, last, prefix, seq)
+        self.backend.assign_req_to_token(self.req_to_token, rows, prefix_dev, seq_dev, locs)
         for r, t in grow:
             r.allocated = t
 
     def release(self, reqs: list[Request]) -> None:
         """Give back every slot and the row of each request (finished or aborted)."""
         held = [r for r in reqs if r.row >= 0]
-        if held:
-            up = self.transfer.upload
-            total = sum(r.allocated for r in held)
-            locs = self.backend.gather_cache_locs(self.req_to_token, up([r.row for r in held]),
-                                                  up([0] * len(held)), up([r.allocated for r in held]),
-                                                  num_tokens=total)
+        up = self.transfer.upload
+        # Pages of one slot may be given back all at once; larger pages request by request, each
+        # run of positions starting at a page boundary (what SlotAllocator.free takes).
+        for group in [held] if self.slots.page_size == 1 else [[r] for r in held]:
+            total = sum(r.allocated for r in group)
             if total:
+                locs = self.backend.gather_cache_locs(self.req_to_token, up([r.row for r in group]),
+                                                      up([0] * len(group)), up([r.allocated for r in group]),
+                                                      num_tokens=total)
                 self.slots.free(locs)
-            for r in held:
-                self.pool.free(r.row)
-                r.row, r.allocated = -1, 0
+        for r in held:
+            self.pool.free(r.row)
+            r.row, r.allocated = -1, 0
         gone = set(map(id, reqs))
         self.running = [r for r in self.running if id(r) not in gone]

@@ -93,18 +93,12 @@ class SlotAllocator:
         return self.free_pages * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
-        """Slots for ``num_tokens`` positions 0.. of a new request: int64[num_tokens].
-
-        Takes ``ceil(num_tokens / page_size)`` whole pages; the last may be partly used.
-        """
+        """Slots for ``num_tokens`` positions 0.. of a new request: int64[num_tokens], through
+        :meth:`alloc_extend` from an empty prefix (``ceil(num_tokens / page_size)`` whole pages;
+        the last may be partly used)."""
         c.check_int("SlotAllocator.alloc", "num_tokens", num_tokens)
-        num_pages = _ceil_div(num_tokens, self.page_size)
-        self._ensure(num_pages)
-        offsets = torch.arange(self.page_size, dtype=c.INDEX_DTYPE, device=self.device)
-        pages = self._free[:num_pages]
-        locs = (pages.unsqueeze(1) * self.page_size + offsets).reshape(-1)[:num_tokens].contiguous()
-        self._take(num_pages)
-        return locs
+        zero = torch.zeros(1, dtype=c.INDEX_DTYPE, device=self.device)
+        return self.alloc_extend(zero, zero + num_tokens, zero - 1, [0], [num_tokens])
 
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
                      prefix_lens_host: list[int], seq_lens_host: list[int]) -> torch.Tensor:

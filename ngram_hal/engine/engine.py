@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
 
@@ -51,15 +51,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..speculative.lookup import DeviceDrafter
 from ..speculative.relay import OverlapRelay
-from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy, verify_tokens
 from .detokenizer import IncrementalDetokenizer, TokenDecoder
 from .graphs import StepGraphs, batch_buckets
+from .intake import check_request, params_per_prompt
 from .model import ForwardBatch, LlamaModel
 from .overlap import InflightStep, Transfer
 from .policy import Acceptance, SpecPolicy, tree_sizes
 from .request import Request, RequestOutput, SamplingParams, Status
 from .sampling import SamplingBatch, positional_uniforms, sample_from_probs, seed_bits, token_logprobs
 from .scheduler import Scheduler
+from .stats import EngineStats
+from .verify_step import verify_step
 from .stopping import check_stop_strings, commit_tokens
 
 
@@ -114,48 +116,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"spec_nodes {self.spec_nodes} leaves no room in max_context_len {self.max_context_len} "
                              f"(a request keeps 3 * spec_nodes positions for draft trees): at most {limit}")
         return self
-
-
-@dataclass
-class EngineStats:
-    """Counters of one engine's life. Times are host seconds.
-
-    ``launch_s``: enqueuing steps (on the CPU this includes the compute itself).
-    ``wait_s``: blocked on a step's event. ``process_s``: host work on a step's results done
-    after the next step was enqueued (hidden behind the device on accelerators).
-    ``critical_s``: host work on results done before the next step could be enqueued.
-    ``tree_nodes``: draft-tree nodes run per request, summed over decode steps.
-    ``device_busy_s`` / ``device_idle_s``: device seconds from each step's first queued op to its
-    results copy, and from one step's end to the next one's start, read from timing events (left
-    at 0 where the runtime has none, e.g. on the CPU). ``draft_s``: host time in the drafter
-    (drafting trees, recording prompts and committed tokens); drafting is part of ``launch_s``,
-    recording part of ``process_s`` or ``critical_s``, or neither for prompts (recorded while the
-    device runs their prefill).
-    """
-
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    tree_nodes: int = 0
-    decode_tokens: int = 0
-    decode_rows: int = 0
-    launch_s: float = 0.0
-    wait_s: float = 0.0
-    process_s: float = 0.0
-    critical_s: float = 0.0
-    device_busy_s: float = 0.0
-    device_idle_s: float = 0.0
-    draft_s: float = 0.0
-
-    @property
-    def device_idle_fraction(self) -> float:
-        """Idle device time between steps over busy plus idle (0 when not measured)."""
-        total = self.device_busy_s + self.device_idle_s
-        return self.device_idle_s / total if total else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean tokens committed per request per verify step."""
-        return self.decode_tokens / self.decode_rows if self.decode_rows else 0.0
 
 
 def make_drafter(kind: str):
@@ -286,37 +246,14 @@ class Engine:
         cache has) is accepted and finishes at once with ``finish_reason == "error"`` and a
         message; other requests are unaffected.
         """
-        req = self._new_request(prompt, params, rid)
+        req = self._check(prompt, params, rid)
         self._admit(req)
         return req.rid
 
-    def _new_request(self, prompt, params, rid, label: str = "") -> Request:
-        """A validated :class:`Request`; raises ``ValueError`` naming the argument, and changes nothing."""
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"{label}params: expected SamplingParams or None, got {type(params).__name__}")
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"{label}rid: expected a string or None, got {type(rid).__name__}")
-        if rid is not None and rid in self._requests:
-            raise ValueError(f"{label}rid: request '{rid}' is still in the engine")
-        vocab = self.model.config.vocab_size
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{label}prompt: text prompts need a tokenizer; pass token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, Sequence):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"{label}prompt: expected text or a sequence of token ids, got {type(prompt).__name__}")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"{label}prompt: token ids must be ints in [0, {vocab})")
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"{label}params.stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"{label}params.stop: stop strings need a tokenizer")
-        return Request(ids, params) if rid is None else Request(ids, params, rid=rid)
+    def _check(self, prompt, params, rid, label: str = "") -> Request:
+        """A validated :class:`Request` (:func:`~ngram_hal.engine.intake.check_request`)."""
+        return check_request(prompt, params, rid, vocab_size=self.model.config.vocab_size, tokenizer=self.tokenizer,
+                             live=self._requests, label=label)
 
     def _admit(self, req: Request) -> None:
         """Queue a validated request, or finish it at once with the reason it can never run."""
@@ -382,16 +319,8 @@ class Engine:
         Every request is validated before any is queued: a bad one raises ``ValueError`` naming
         its index (``prompts[i]: ...``), and the engine is left as it was.
         """
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif isinstance(params, Sequence):
-            if len(params) != len(prompts):
-                raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        else:
-            raise ValueError(f"params: expected SamplingParams, a list of them or None, got {type(params).__name__}")
-        reqs = [self._new_request(p, sp, None, label=f"prompts[{i}]: ") for i, (p, sp) in enumerate(zip(prompts, params))]
+        per = params_per_prompt(prompts, params)
+        reqs = [self._check(p, sp, None, label=f"prompts[{i}]: ") for i, (p, sp) in enumerate(zip(prompts, per))]
         for req in reqs:
             self._admit(req)
         return [req.rid for req in reqs]
@@ -613,33 +542,27 @@ class Engine:
                      seq_lens: torch.Tensor, n: int, max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:
         """One verify step op by op (sampling, log-probabilities, or no graphs): the relay and the
         log-probabilities of the committed tokens (None unless a request asks for them)."""
-        up, be, r2t = self.transfer.upload, self.backend, self.sched.req_to_token
         B = len(reqs)
-        tree = prepare_tree(be, tokens, tree_mask, seq_lens)
-        out_cache_loc = tree_cache_locs(be, r2t, rows, seq_lens, n)
-        batch = ForwardBatch(
-            input_ids=tokens, positions=tree.positions, out_cache_loc=out_cache_loc, req_to_token=r2t,
-            req_pool_indices=rows, kv_lens=seq_lens + n,
-            q_lens=torch.full((B,), n, dtype=torch.int64, device=self.device),
-            tree_mask=tree_mask if n > 1 else None, max_kv_len=max_kv_len, logits_index=None)
-        if self.graphs is not None:
-            logits = self.graphs.forward(batch, n)
-        else:
-            logits = self.model.forward(batch, self.kv)
-        sampling = SamplingBatch([r.params for r in reqs], n, up)
-        if sampling.all_greedy:
-            out = verify_greedy(be, tree, logits)
-        else:
-            # The token after node i takes the position after it (see ngram_hal.engine.sampling).
-            uniforms = positional_uniforms(self._seed_rows(reqs, n), tree.positions + 1)
-            out = verify_tokens(be, tree, sample_from_probs(sampling.probs(logits), uniforms))
-        result = commit(be, self.kv, out, out_cache_loc, r2t, rows, seq_lens)
+        forward = (partial(self.graphs.forward, nodes=n) if self.graphs is not None
+                   else partial(self.model.forward, kv=self.kv))
+        sampling = SamplingBatch([r.params for r in reqs], n, self.transfer.upload)
+        sample = None if sampling.all_greedy else partial(self._sample, sampling, reqs, n)
+        q_lens = torch.full((B,), n, dtype=torch.int64, device=self.device)
+        result, logits, out = verify_step(self.backend, forward, self.kv, self.sched.req_to_token, tokens, tree_mask,
+                                          rows, seq_lens, q_lens, n, max_kv_len, sample=sample)
         logprobs = None
         if any(r.params.logprobs for r in reqs):
             node_lp = token_logprobs(logits, out.predicts)
             index = out.accept_index.view(-1)
             logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
         return result, logprobs
+
+    def _sample(self, sampling: SamplingBatch, reqs: list[Request], n: int, logits: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """The target's own token after each of the B*n nodes, drawn with the uniform of the
+        position after the node's (see :mod:`ngram_hal.engine.sampling`)."""
+        uniforms = positional_uniforms(self._seed_rows(reqs, n), positions + 1)
+        return sample_from_probs(sampling.probs(logits), uniforms)
 
     def _seed_rows(self, reqs: list[Request], rows: int) -> torch.Tensor:
         """Each request's seed bits repeated for its ``rows`` rows, on the device (0 for greedy ones)."""

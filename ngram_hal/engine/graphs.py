@@ -7,9 +7,10 @@ every step of that shape. Batches are padded up to the next bucket.
 
 Two kinds of graph:
 
-* a **greedy step** (:class:`GreedyStep`): the whole verify step of greedy requests, from the
-  tree's tokens, mask, rows and lengths to the committed tokens: retrieve links, cache
-  locations, the model forward, greedy verify and the KV compaction, about ten launches of the
+* a **greedy step** (:class:`GreedyStep`): the whole verify step of greedy requests
+  (:func:`~ngram_hal.engine.verify_step.verify_step`, as eager steps run it), from the tree's
+  tokens, mask, rows and lengths to the committed tokens: retrieve links, cache locations, the
+  model forward, greedy verify and the KV compaction, about ten launches of the
   HAL's ops and the model's few hundred kernels in one replay. Padding requests store no K/V (their
   cache locations are forced to -1), so every move they produce has a -1 source and does nothing.
   With a device drafter the step also records its committed tokens and drafts the next step's
@@ -37,8 +38,8 @@ import torch
 from ..kv_cache import KVCache
 from ..speculative.lookup import DeviceDrafter, chain_masks
 from ..speculative.relay import OverlapRelay
-from ..speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
 from .model import ForwardBatch, LlamaModel
+from .verify_step import verify_step
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -147,15 +148,11 @@ class GreedyStep:
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step over the loaded buffers: ``(accept_tokens[Bp*n], accept_lens[Bp], new_seq_lens[Bp])``."""
-        be, n, r2t = self.model.backend, self.nodes, self.req_to_token
-        tree = prepare_tree(be, self.tokens, self.tree_mask, self.seq_lens)
+        n, r2t = self.nodes, self.req_to_token
         live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
-        locs = torch.where(live, tree_cache_locs(be, r2t, self.rows, self.seq_lens, n), -1)
-        batch = ForwardBatch(input_ids=self.tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=r2t,
-                             req_pool_indices=self.rows, kv_lens=self.seq_lens + n, q_lens=self.q_lens,
-                             tree_mask=self.tree_mask if n > 1 else None, max_kv_len=r2t.shape[1])
-        logits = self.model.forward(batch, self.kv)
-        relay = commit(be, self.kv, verify_greedy(be, tree, logits), locs, r2t, self.rows, self.seq_lens)
+        relay, _, _ = verify_step(self.model.backend, lambda batch: self.model.forward(batch, self.kv), self.kv, r2t,
+                                  self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
+                                  live=live)
         if self.drafter is not None:
             self.drafter.draft_next(self.rows, relay, self.count)
         self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)

@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ..options import validation_message
-from .engine import Engine, EngineStats
+from .engine import Engine
+from .stats import EngineStats
 from .progress import TokenProgress
 from .request import RequestOutput, SamplingParams
 
@@ -195,7 +196,7 @@ class RunTotals(BaseModel):
     included. ``decode_s`` is the part of ``wall_s`` after the last request of the run got its
     first token, and ``decode_tokens_per_s`` is ``decode_tokens`` over it. ``tree_nodes`` is the
     draft-tree nodes per request summed over decode steps. The device times (see
-    :class:`~ngram_hal.engine.engine.EngineStats`; 0 on the CPU) cover the same decode window, so
+    :class:`~ngram_hal.engine.stats.EngineStats`; 0 on the CPU) cover the same decode window, so
     that neither the prefill nor a pause of the engine before the run counts. ``draft_s`` is the
     host time in the drafter (part of the launch and host times).
     """

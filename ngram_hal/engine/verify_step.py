@@ -1,0 +1,51 @@
+"""One verify step, the same for a captured step and an eager one: the tree, its cache
+locations, the target forward, verification and the KV compaction.
+
+:class:`~ngram_hal.engine.graphs.GreedyStep` runs it inside a captured graph (greedy, with the
+padding requests masked off by ``live``); the engine runs it op by op where requests sample, want
+log-probabilities or nothing is captured, with the captured forward where there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..backend import Backend
+from ..kv_cache import KVCache
+from ..speculative.relay import OverlapRelay
+from ..speculative.verify import VerifyOutput, commit, prepare_tree, tree_cache_locs, verify_greedy, verify_tokens
+from .model import ForwardBatch
+
+
+def verify_step(backend: Backend, forward: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
+                req_to_token: torch.Tensor, tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
+                seq_lens: torch.Tensor, q_lens: torch.Tensor, nodes: int, max_kv_len: int,
+                live: torch.Tensor | None = None,
+                sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[OverlapRelay, torch.Tensor, VerifyOutput]:
+    """Verify B trees of ``nodes`` nodes each: ``(relay, logits, out)``.
+
+    Args:
+        forward: the target forward, ``ForwardBatch -> float32[B*nodes, V]`` logits.
+        tokens: int64[B*nodes], each tree's nodes (node 0 the request's last committed token).
+        tree_mask: bool[B, nodes, nodes]. rows, seq_lens, q_lens: int64[B] (``q_lens`` = nodes).
+        max_kv_len: host int bounding every ``seq_lens + nodes``.
+        live: bool[B*nodes] or None; nodes of requests not live store no K/V (location -1).
+        sample: None for greedy verify; else ``(logits, positions) -> int64[B*nodes]``, the target's
+            own token after each node, with ``positions`` int64[B*nodes] the nodes' positions.
+    """
+    tree = prepare_tree(backend, tokens, tree_mask, seq_lens)
+    locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, nodes)
+    if live is not None:
+        locs = torch.where(live, locs, -1)
+    batch = ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=req_to_token,
+                         req_pool_indices=rows, kv_lens=seq_lens + nodes, q_lens=q_lens,
+                         tree_mask=tree_mask if nodes > 1 else None, max_kv_len=max_kv_len, logits_index=None)
+    logits = forward(batch)
+    if sample is None:
+        out = verify_greedy(backend, tree, logits)
+    else:
+        out = verify_tokens(backend, tree, sample(logits, tree.positions))
+    return commit(backend, kv, out, locs, req_to_token, rows, seq_lens), logits, out

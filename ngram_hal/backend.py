@@ -23,9 +23,11 @@ from pydantic import BaseModel, ConfigDict
 
 from . import contract as c
 from .layout import AttentionLayout
+from .model_kernels import TorchLayerKernels
 from .runtime import Runtime
 
 if TYPE_CHECKING:
+    from .engine.config import LlamaConfig
     from .kv_cache import KVCache
 
 OPS: tuple[str, ...] = (
@@ -72,8 +74,8 @@ class Backend:
     warp_size: ClassVar[int | None] = None
     page_sizes: ClassVar[list[int] | None] = None
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
-    # The engine-side kernels that suit this backend's device: "torch" (plain torch ops, any device)
-    # or "triton" (the fused kernels of ngram_hal.kernels.gpu). Not a HAL op; the model reads it.
+    # The kind of model kernels layer_kernels returns: "torch" (plain torch ops, any device) or
+    # "triton" (the fused kernels of ngram_hal.kernels.gpu); the CLI's defaults follow it.
     model_kernels: ClassVar[str] = "torch"
 
     def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
@@ -115,6 +117,18 @@ class Backend:
     def __repr__(self) -> str:
         mode = "strict" if self.strict else "default"
         return f"{type(self).__name__}(device={self.device}, {mode})"
+
+    # ---------------------------------------------------------------- model kernels
+
+    def layer_kernels(self, config: LlamaConfig, dtype: torch.dtype, batch_invariant: bool = False
+                      ) -> TorchLayerKernels:
+        """The per-layer compute the model runs on this backend (:mod:`ngram_hal.model_kernels`):
+        plain torch here. A backend with kernels of its own returns a subclass, which the
+        conformance suite's model tier checks against this one. ``batch_invariant`` asks for
+        results that do not depend on the rows sharing a call, which plain torch does not promise."""
+        if batch_invariant:
+            raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{self.name}'")
+        return TorchLayerKernels(config, self, dtype)
 
     # ---------------------------------------------------------------- runtime
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .backend import OPS
 
 SCHEMA = "ngram-hal-conformance/1"
-TIERS = ("registration", "contract", "semantics", "engine", "performance")
+TIERS = ("registration", "contract", "semantics", "model", "engine", "performance")
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
 NOT_RUN = "not run"
 

@@ -1,6 +1,7 @@
 """Planted-fault backends: the reference backend with one op broken the way a vendor might.
 
-Each mutant overrides one op of :class:`CpuBackend` with a plausible bug and records
+Each mutant overrides one op of :class:`CpuBackend` (or one of its model kernels, named in
+:data:`MODEL_KERNELS`) with a plausible bug and records
 ``fault`` (its fault class, one of :data:`FAULTS`), ``op`` and ``caught_by``: the conformance
 tests (stable ids without the strict-mode part) that must fail on it, in each of ``modes``
 (``"on"``, ``"off"``: the strict modes where the fault applies). ``tests/test_mutants.py`` runs
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ngram_hal.backend import OPS
+from ngram_hal.model_kernels import TorchLayerKernels
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import attention, verify
 
@@ -33,8 +35,11 @@ FAULTS = (
     "BFS assumed",
     "wrong source",
     "capabilities lie",
+    "formula slip",
 )
 BOTH = ("on", "off")
+MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add")
+"""The model kernels (:class:`~ngram_hal.model_kernels.TorchLayerKernels` methods) mutants break."""
 
 
 class Mutant(CpuBackend):
@@ -44,6 +49,8 @@ class Mutant(CpuBackend):
     op: str = ""
     caught_by: tuple[str, ...] = ()
     modes: tuple[str, ...] = BOTH
+    # A test the mutant must pass (its fault untouched); None: the registration test of its op.
+    control: str | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -738,6 +745,71 @@ class AttentionRepairsIndices(Mutant):
         fix = [t.contiguous() if isinstance(t, torch.Tensor) else t
                for t in (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)]
         return super().attention_layout(*fix[:4], num_queries, fix[4], max_kv_len)
+
+
+# ---------------------------------------------------------------- model kernels
+
+
+class KernelMutant(Mutant):
+    """Base of the mutants whose model kernels are broken: :attr:`kernels` is the faulty
+    :class:`TorchLayerKernels` subclass the backend gives the model."""
+
+    kernels: type[TorchLayerKernels] = TorchLayerKernels
+    control = "test_model_kernels.py::test_device_lookup_matches_torch[8]"
+
+    def layer_kernels(self, config, dtype, batch_invariant=False):
+        return self.kernels(config, self, dtype)
+
+
+class _NormDropsResidual(TorchLayerKernels):
+    def norm(self, x, weight, delta=None):
+        return super().norm(x if delta is None else x + delta, weight)
+
+
+class NormForgetsTheResidualStream(KernelMutant):
+    """The fused norm adds the pending delta for its own input but never writes the sum back."""
+
+    fault, op, kernels = "partial writes", "norm", _NormDropsResidual
+    caught_by = tuple(f"test_model_kernels.py::test_norm_matches_torch[residual-{n}]" for n in (1, 3, 40))
+
+
+class _RotaryIntoLayerZero(TorchLayerKernels):
+    def rope_store(self, rope, qkv, kv, layer, out_cache_loc):
+        return super().rope_store(rope, qkv, kv, 0, out_cache_loc)
+
+
+class RotaryStoresIntoLayerZero(KernelMutant):
+    """The rotary kernel stores every layer's K/V into layer 0 (the layer offset left out)."""
+
+    fault, op, kernels = "partial writes", "rope_store", _RotaryIntoLayerZero
+    caught_by = tuple(f"test_model_kernels.py::test_rotary_and_kv_store_match_torch[{n}]" for n in (1, 3, 40))
+
+
+class _SwigluSwapped(TorchLayerKernels):
+    def swiglu(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(up) * gate
+
+
+class SwigluGatesTheWrongHalf(KernelMutant):
+    """SwiGLU applies the SiLU to the up half instead of the gate half."""
+
+    fault, op, kernels = "formula slip", "swiglu", _SwigluSwapped
+    caught_by = (*(f"test_model_kernels.py::test_swiglu_matches_torch[{n}]" for n in (1, 3, 40)),
+                 *(f"test_model_kernels.py::test_products_match_torch[{n}]" for n in (1, 3, 40)))
+
+
+class _LinearAddLosesResidual(TorchLayerKernels):
+    def linear_add(self, y, linear, x):
+        x.copy_(linear(y))  # the product replaces the stream instead of adding to it
+        return None
+
+
+class LinearAddOverwritesTheStream(KernelMutant):
+    """The product after attention and after the MLP overwrites the residual stream."""
+
+    fault, op, kernels = "formula slip", "linear_add", _LinearAddLosesResidual
+    caught_by = tuple(f"test_model_kernels.py::test_products_match_torch[{n}]" for n in (1, 3, 40))
 
 
 class HonestPartialBackend(CpuBackend):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from numerics import assert_invariant
 
 pytest.importorskip("triton")
-from ngram_hal.engine.layer_kernels import apply_rotary, rms_norm as torch_rms_norm, rotary  # noqa: E402
+from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rotary  # noqa: E402
 from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402

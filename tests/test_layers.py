@@ -23,7 +23,8 @@ PACKAGES = {"ngram_hal": ROOT / "ngram_hal", "ngram_hal_cuda": ROOT / "backends/
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract types", ("ngram_hal.contract", "ngram_hal.kv_cache", "ngram_hal.layout", "ngram_hal.files",
                         "ngram_hal.options")),
-    ("hal", ("ngram_hal", "ngram_hal.backend", "ngram_hal.runtime", "ngram_hal.registry", "ngram_hal.proxy")),
+    ("hal", ("ngram_hal", "ngram_hal.backend", "ngram_hal.model_kernels", "ngram_hal.runtime", "ngram_hal.registry",
+             "ngram_hal.proxy")),
     ("backends", ("ngram_hal.reference", "ngram_hal.kernels", "ngram_hal_cuda", "ngram_hal_rocm", "ngram_hal_npu")),
     ("speculative core", ("ngram_hal.memory", "ngram_hal.speculative")),
     ("engine", ("ngram_hal.engine",)),

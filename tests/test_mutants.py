@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from mutants import FAULTS, Mutant, mutants
+from mutants import FAULTS, MODEL_KERNELS, Mutant, mutants
 from suite_runs import failures, outcomes, run_suite
 
 from ngram_hal.backend import OPS
@@ -47,10 +47,10 @@ def node_id(stable: str) -> str:
 def test_corpus_covers_every_op_and_fault_class():
     corpus = mutants()
     assert len(corpus) >= 30, f"{len(corpus)} mutants"
-    assert sorted({m.op for m in corpus}) == sorted(OPS)
+    assert sorted({m.op for m in corpus}) == sorted((*OPS, *MODEL_KERNELS))
     assert REQUIRED_FAULTS <= {m.fault for m in corpus}, REQUIRED_FAULTS - {m.fault for m in corpus}
     for m in corpus:
-        assert m.fault in FAULTS and m.op in OPS and m.caught_by and m.__doc__, m.__name__
+        assert m.fault in FAULTS and m.op in (*OPS, *MODEL_KERNELS) and m.caught_by and m.__doc__, m.__name__
         assert set(m.modes) <= {"on", "off"} and m.modes, m.__name__
 
 
@@ -60,7 +60,7 @@ def test_mutant_is_caught(tmp_path, monkeypatch, mutant: type[Mutant]):
     # The control runs where its fault is not reported at run time: strict mode checks every
     # output, so there even a valid call of a mutant with a bad output fails.
     control_mode = "off" if "off" in mutant.modes else "on"
-    control = {in_mode(f"test_registration.py::test_op_present[{mutant.op}]", control_mode)} - caught
+    control = {in_mode(mutant.control or f"test_registration.py::test_op_present[{mutant.op}]", control_mode)} - caught
     strict = "both" if len(mutant.modes) == 2 else mutant.modes[0]
     if FULL:
         examples, modules = ("--max-examples", str(DEFAULT_MAX_EXAMPLES)), ("ngram_hal_conformance",)

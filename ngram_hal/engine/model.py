@@ -3,9 +3,10 @@
 Per layer: RMSNorm (with the residual add), fused QKV projection, rotary embeddings at each
 token's position and the K/V store, ``backend.attention`` over the cache, output projection,
 RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``. The norm, rotary/store and SwiGLU
-steps are :mod:`ngram_hal.engine.layer_kernels` (plain torch with the backend's ``store_kv``, or
-fused Triton kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU
-and the residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
+steps are the backend's model kernels (:meth:`Backend.layer_kernels
+<ngram_hal.backend.Backend.layer_kernels>`: plain torch with the backend's ``store_kv``, or fused
+Triton kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU and
+the residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
 (panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere,
 or a batch-invariant Triton product).
 """
@@ -23,7 +24,6 @@ from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
 from .linear import Linear, default_dtype, make_linear as linear_for
-from .layer_kernels import make_layer_kernels
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ForwardBatch:
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor | None  # None: folded into wqkv (see TorchLayerKernels.fold_norm)
+    attn_norm: torch.Tensor | None  # None: folded into wqkv (see ngram_hal.model_kernels.TorchLayerKernels.fold_norm)
     wqkv: Linear
     wo: Linear
     mlp_norm: torch.Tensor | None  # None: folded into w_gate_up
@@ -136,10 +136,7 @@ class LlamaModel:
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
         self.batch_invariant = batch_invariant
-        if batch_invariant and getattr(backend, "model_kernels", "torch") != "triton":
-            raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{backend.name}'")
-
-        self.kernels = make_layer_kernels(config, backend, dtype, batch_invariant)
+        self.kernels = backend.layer_kernels(config, dtype, batch_invariant)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()

@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     """``weight * rmsnorm(x)``; given ``delta``, first ``x += delta`` in place (the residual add).
 
     The norm is computed in float32, rounded to x's dtype, then scaled by ``weight`` (the order of
-    :func:`ngram_hal.engine.layer_kernels.rms_norm`).
+    :func:`ngram_hal.model_kernels.rms_norm`).
 
     Args:
         x: float[N, hidden], contiguous (updated in place when ``delta`` is given).

@@ -43,3 +43,9 @@ class TritonHalOps:
     _verify_tree_sample = _kernel_op("verify", "verify_tree_sample")
     _attention_layout = _kernel_op("attention", "attention_layout")
     _attention = _kernel_op("attention", "attention")
+
+    def layer_kernels(self, config, dtype, batch_invariant=False):
+        """The fused Triton model kernels (:class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`)."""
+        from ..gpu.layer_kernels import TritonLayerKernels
+
+        return TritonLayerKernels(config, self, dtype, batch_invariant)

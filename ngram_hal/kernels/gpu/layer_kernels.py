@@ -1,0 +1,90 @@
+"""The Triton backends' model kernels: the steps of
+:class:`~ngram_hal.model_kernels.TorchLayerKernels` in the fused kernels of this package."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...model_kernels import TorchLayerKernels
+from . import matmul, norm, rotary, swiglu
+
+if TYPE_CHECKING:
+    from ...backend import Backend
+    from ...engine.config import LlamaConfig
+    from ...engine.linear import Linear
+
+
+class TritonLayerKernels(TorchLayerKernels):
+    """The same steps in the fused Triton kernels of :mod:`ngram_hal.kernels.gpu`: the residual add
+    inside the norm, the rotary embedding inside the K/V store, SwiGLU in one pass.
+
+    The rotary kernel reads cos/sin from a table of ``max_positions`` rows built once (positions
+    past it are clamped) and writes K/V straight into the cache rows (-1 locs skipped). The
+    norms' weights are folded into the projections after them. Forwards of at most
+    ``backend.launch.fused_linear_rows`` rows run each projection whose weight holds at most
+    ``fused_linear_max_bytes`` as a fused product (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`
+    tiling); with ``batch_invariant`` every forward runs every projection so, in the fixed
+    invariant tiling.
+    """
+
+    fuses_products = True
+
+    def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype, batch_invariant: bool = False):
+        super().__init__(config, backend, dtype)
+        self._norm, self._rotary, self._swiglu = norm.rms_norm, rotary.rotary_store, swiglu.swiglu
+        self._matmul = matmul
+        self.table = rotary.rope_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                       backend.device)
+        self.batch_invariant = batch_invariant
+        self.fused_rows = backend.launch.fused_linear_rows
+        self.fused_bytes = backend.launch.fused_linear_max_bytes
+        self._ones = torch.ones(config.hidden_size, dtype=dtype, device=backend.device)
+
+    def _tiling(self, rows: int, linear: Linear):
+        """The fused product's tiling for ``rows`` rows, or None to run the steps apart."""
+        if self.batch_invariant:
+            return self._matmul.INVARIANT
+        weight = linear.weight
+        if rows > self.fused_rows or weight.numel() * weight.element_size() > self.fused_bytes:
+            return None
+        return self._matmul.SMALL_ROWS
+
+    def norm(self, x, weight, delta=None):
+        return self._norm(x, self._ones if weight is None else weight, self.config.rms_norm_eps, delta)
+
+    def rope(self, positions):
+        return positions
+
+    def rope_store(self, rope, qkv, kv, layer, out_cache_loc):
+        cfg = self.config
+        return self._rotary(qkv, rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads,
+                            cfg.num_kv_heads)
+
+    def swiglu(self, gate_up):
+        return self._swiglu(gate_up)
+
+    def fold_norm(self, norm, weight):
+        """The norm's weight folded into the projection's (``W * g``): the norm then only scales rows."""
+        return None, self._matmul.fold_norm(weight, norm)
+
+    def norm_linear(self, x, norm, linear, delta=None):
+        tiling = self._tiling(x.shape[0], linear) if delta is None else None
+        if tiling is None:
+            return super().norm_linear(x, norm, linear, delta)
+        return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, tiling=tiling)
+
+    def norm_swiglu(self, x, norm, linear, delta=None):
+        tiling = self._tiling(x.shape[0], linear) if delta is None else None
+        if tiling is None:
+            return super().norm_swiglu(x, norm, linear, delta)
+        return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, glu=True,
+                                         tiling=tiling)
+
+    def linear_add(self, y, linear, x):
+        tiling = self._tiling(y.shape[0], linear)
+        if tiling is None:
+            return super().linear_add(y, linear, x)
+        self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling)
+        return None

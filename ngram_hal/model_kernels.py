@@ -1,0 +1,113 @@
+"""The model kernels: the per-layer compute around attention that the model runs through its
+backend, and their plain-torch implementation, which is every backend's default and the oracle
+the conformance suite's model tier checks others against.
+
+:class:`TorchLayerKernels` is plain torch on any device: RMSNorm, rotary embeddings and the K/V
+store through the backend's ``store_kv``, SwiGLU, and the projections as the model's linear
+layers. A backend with kernels of its own returns a subclass from
+:meth:`Backend.layer_kernels <ngram_hal.backend.Backend.layer_kernels>` (the Triton backends:
+:class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`).
+
+A layer runs as ``norm_linear`` (QKV), ``rope_store``, attention, ``linear_add`` (output
+projection), ``norm_swiglu`` (gate/up and SwiGLU), ``linear_add`` (down). ``linear_add`` either
+adds its product to the residual stream at once and returns None, or returns it as the pending
+``delta`` that the next norm adds. ``fold_norm`` says how a layer keeps each norm's weight: apart,
+or folded into the projection after it. ``config`` is the model's shape (a
+:class:`~ngram_hal.engine.config.LlamaConfig`); a linear layer is a callable ``x -> x @ W.T``
+with its ``weight`` W.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .engine.config import LlamaConfig
+    from .engine.linear import Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in x's dtype; times ``weight`` unless it is None."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position, float32 math: two ``[N, 1, head_dim]`` tensors of ``dtype``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                               .float() / head_dim))
+    freqs = positions.float().unsqueeze(1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [N, heads, d] by the "rotate half" convention (pairs ``i`` and ``i + d/2``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class TorchLayerKernels:
+    """Norm, rotary + K/V store and SwiGLU in plain torch; the K/V store is the backend's op."""
+
+    fuses_products = False
+
+    def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype):
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | None, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``x += delta`` in place (when given), then ``weight * rmsnorm(x)`` (``rmsnorm(x)`` for a
+        weight of None). x: float[N, hidden]."""
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def rope(self, positions: torch.Tensor):
+        """What :meth:`rope_store` needs for the positions of one forward (computed once)."""
+        return rotary(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    def rope_store(self, rope, qkv: torch.Tensor, kv: KVCache, layer: int, out_cache_loc: torch.Tensor
+                   ) -> torch.Tensor:
+        """Rotate the new tokens' queries and keys and store K/V of ``layer``; returns q [N, Hq, d]."""
+        cfg = self.config
+        N, Hq, H, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk, v = qkv.split([(Hq + H) * d, H * d], dim=-1)
+        qk = apply_rotary(qk.reshape(N, Hq + H, d), *rope)
+        q, k = qk.split([Hq, H], dim=1)
+        self.backend.store_kv(kv, layer, out_cache_loc, k.contiguous(), v.reshape(N, H, d).contiguous())
+        return q.contiguous()
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused gate/up projection float[N, 2I] -> float[N, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def fold_norm(self, norm: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The (norm weight, projection weight) pair a layer keeps for ``norm_linear``/``norm_swiglu``:
+        here both as given."""
+        return norm, weight
+
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor | None, linear: Linear,
+                    delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``linear(norm(x, norm, delta))``: float[N, hidden] -> float[N, out]."""
+        return linear(self.norm(x, norm, delta))
+
+    def norm_swiglu(self, x: torch.Tensor, norm: torch.Tensor | None, linear: Linear,
+                    delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``swiglu(linear(norm(x, norm, delta)))`` of the fused gate/up projection: float[N, hidden]
+        -> float[N, I]."""
+        return self.swiglu(self.norm_linear(x, norm, linear, delta))
+
+    def linear_add(self, y: torch.Tensor, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The residual branch's last product ``linear(y)``; returned as the next norm's ``delta``
+        (here), or added to ``x`` in place (then None)."""
+        return linear(y)

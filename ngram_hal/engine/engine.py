@@ -184,10 +184,9 @@ class Engine:
         # The host's work in the last turn of the overlapped loop (its time not waiting for the device).
         self._host_s = 0.0
         self.inflight: InflightStep | None = None
-        self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
-        self._seeds = torch.Generator().manual_seed(self.config.seed)
+        self._restart_counts()
 
     # ------------------------------------------------------------------ one-time work
 
@@ -217,9 +216,13 @@ class Engine:
             self.graphs.capture_forwards(tree_sizes(self.num_nodes))
         self.backend.runtime.synchronize()
         self.forget_drafts()
+        self._restart_counts()
+        return time.perf_counter() - start
+
+    def _restart_counts(self) -> None:
+        """Statistics from zero, and the seeds of unseeded requests drawn from ``config.seed`` again."""
         self.stats = EngineStats()
         self._seeds = torch.Generator().manual_seed(self.config.seed)
-        return time.perf_counter() - start
 
     def forget_drafts(self) -> None:
         """A new drafter and speculation policy, as a new engine would have, keeping the captured

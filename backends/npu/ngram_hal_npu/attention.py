@@ -56,7 +56,7 @@ def layout(layout: AttentionLayout) -> Plan:
     """The :class:`Plan` of one batch (see :meth:`ngram_hal.Backend.attention_layout`)."""
     op = "attention"
     req_to_token, kv_lens, q_lens = layout.req_to_token, layout.kv_lens, layout.q_lens
-    B, N = layout.batch_size, layout.num_queries
+    N = layout.num_queries
     M = req_to_token.shape[1]
     T = min(layout.max_kv_len, M)
     device = kv_lens.device

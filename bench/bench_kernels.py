@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_reference_ops import Scene  # noqa: E402
-from common import (copy_bandwidth, device_name, graph_ms, make_console, make_table, median_ms,  # noqa: E402
+from common import (copy_bandwidth, graph_ms, make_console, make_table, median_ms,  # noqa: E402
                     report_header, write_report)
 
 from ngram_hal.backend import Backend  # noqa: E402
@@ -360,7 +360,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def print_tables(ctx: Context, console) -> None:
-    device = f"{ctx.device} ({device_name(ctx.device)})"
+    device = f"{ctx.device} ({ctx.cuda.runtime.device_name})"
     others = [r for r in ctx.rows if r["group"] not in ("move", "attention")]
     table = make_table(f"cuda (Triton) vs reference ops on {device}: us per call",
                        ("op", "case", "cuda eager", "ref eager", "ref/cuda", "cuda graph", "ref graph", "ref/cuda "),

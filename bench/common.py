@@ -23,14 +23,6 @@ import ngram_hal
 from ngram_hal.files import write_atomic
 
 
-def device_name(device: torch.device) -> str:
-    """The processor or accelerator model behind ``device`` (its type where torch cannot tell)."""
-    if device.type == "cpu":
-        return platform.processor() or platform.machine()
-    module = torch.get_device_module(device.type)
-    return module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
-
-
 def utc_now(timespec: str = "auto") -> str:
     """The current UTC time in ISO 8601."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec)
@@ -55,7 +47,7 @@ def report_header(schema: str, backend) -> dict:
         "created": utc_now("seconds"),
         "backend": backend.name,
         "device": str(backend.device),
-        "device_name": device_name(backend.device),
+        "device_name": backend.runtime.device_name,
         "proxy": backend.proxy,
         "versions": {"ngram_hal": ngram_hal.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
                      "hip": torch.version.hip, **tool_versions(backend.device), "python": platform.python_version()},

@@ -10,6 +10,7 @@ no graph capture.
 from __future__ import annotations
 
 import contextlib
+import platform
 
 import torch
 
@@ -58,6 +59,15 @@ class Runtime:
         # The meta device (shapes only, used to prove that code never reads data) runs like the CPU.
         self._host = self.device.type in ("cpu", "meta")
         self._module = None if self._host else torch.get_device_module(self.device.type)
+
+    @property
+    def device_name(self) -> str:
+        """The processor or accelerator model behind the device (``"NVIDIA H200"``; on the CPU the
+        processor's name, or the machine type where the platform gives none)."""
+        if self._host:
+            return platform.processor() or platform.machine()
+        get = getattr(self._module, "get_device_name", None)
+        return get(self.device) if callable(get) else self.device.type
 
     @property
     def is_host(self) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from suite_runs import TESTS, failed, failures, outcomes, run_suite
 
+from ngram_hal.reference import CpuBackend
 from ngram_hal.registry import get_backend, list_backends
 from ngram_hal_conformance.report import load_report
 
@@ -51,6 +52,7 @@ def test_reference_backend_passes(tmp_path, monkeypatch):
     assert report["strict_modes"] == [True] and {t["strict"] for t in report["tests"]} == {True}
     assert report["versions"]["backend_package"].startswith("ngram-hal==")
     assert report["capabilities"]["name"] == "cpu" and report["proxy"] is False
+    assert report["device"] == "cpu" and report["device_name"] == CpuBackend().runtime.device_name != ""
 
 
 def test_xfails_file_marks_known_failures(tmp_path, monkeypatch):

@@ -288,10 +288,11 @@ class ReportWriter:
         from .report import build_report, collect_versions, write_report
 
         suite = self.config.stash[_SUITE_KEY]
-        target = capabilities = None
+        target = capabilities = device_name = None
         try:
             target = suite.target
             capabilities = suite.probe.capabilities()
+            device_name = suite.probe.runtime.device_name
         except pytest.UsageError:
             pass
         report = build_report(
@@ -302,7 +303,7 @@ class ReportWriter:
             device=capabilities.device if capabilities else None,
             strict_modes=list(suite.strict_modes),
             capabilities=capabilities.model_dump() if capabilities else None,
-            tests=self.recorder.results())
+            tests=self.recorder.results(), device_name=device_name)
         try:
             write_report(report, self.path)
         except WriteError as exc:

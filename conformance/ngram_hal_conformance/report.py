@@ -76,6 +76,7 @@ class ConformanceReport(BaseModel):
     proxy: bool | None
     versions: Versions
     device: str | None
+    device_name: str | None = None
     strict_modes: list[bool]
     capabilities: dict[str, Any] | None
     summary: Summary
@@ -93,10 +94,11 @@ def summarize(tests: list[TestResult]) -> Summary:
 
 def build_report(backend: str, target: str | None, proxy: bool | None, versions: Versions,
                  device: str | None, strict_modes: list[bool], capabilities: dict[str, Any] | None,
-                 tests: list[TestResult]) -> ConformanceReport:
-    """Assemble a report; the summary is counted from ``tests`` and ``created`` is now (UTC)."""
+                 tests: list[TestResult], device_name: str | None = None) -> ConformanceReport:
+    """Assemble a report; the summary is counted from ``tests`` and ``created`` is now (UTC).
+    ``device_name`` is the hardware behind ``device`` (``"NVIDIA H200"``)."""
     return ConformanceReport(
-        backend=backend, target=target, proxy=proxy, versions=versions, device=device,
+        backend=backend, target=target, proxy=proxy, versions=versions, device=device, device_name=device_name,
         strict_modes=strict_modes, capabilities=capabilities, summary=summarize(tests), tests=tests,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 

@@ -270,3 +270,78 @@ def test_attention_reads_past_the_cache(strict_backend, device):
     call = cases.minimal("attention", device, strict_backend)
     num_slots = call.args["kv"].num_slots
     rejects(strict_backend, _with(call, "req_to_token", (0, 4), num_slots), "req_to_token", f"slot {num_slots} read")
+
+
+# ---------------------------------------------------------------- value rules stated in backend.py, one test each
+
+@conformance(tier="contract", op="alloc_extend")
+def test_alloc_extend_negative_prefix(strict_backend, device):
+    call = cases.minimal("alloc_extend", device, strict_backend)
+    rejects(strict_backend, _with(call, "prefix_lens", 0, -1), "seq_lens", "a negative prefix length")
+
+
+@conformance(tier="contract", op="alloc_extend")
+def test_alloc_extend_sentinel_last_loc_after_a_prefix(strict_backend, device):
+    call = cases.minimal("alloc_extend", device, strict_backend)
+    held = [b for b, n in enumerate(call.args["prefix_lens"].tolist()) if n > 0]
+    assert held, "the minimal call must hold a request with a prefix"
+    rejects(strict_backend, _with(call, "last_loc", held[0], -1), "last_loc", "-1 for a request holding slots")
+
+
+@conformance(tier="contract", op="alloc_extend")
+@pytest.mark.parametrize("case", ["negative", "repeated"])
+def test_alloc_extend_bad_free_pages(strict_backend, device, case):
+    call = cases.minimal("alloc_extend", device, strict_backend)
+    value = -1 if case == "negative" else int(call.args["free_pages"][1])
+    rejects(strict_backend, _with(call, "free_pages", 0, value), "free_pages", f"a {case} free page")
+
+
+@conformance(tier="contract")
+@pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op))
+                                for op in ("assign_req_to_token", "gather_cache_locs")])
+@pytest.mark.parametrize("case", ["start_past_the_row", "end_before_start"])
+def test_req_range_bad_start(strict_backend, device, op, case):
+    call = cases.minimal(op, device, strict_backend)
+    M = call.args["req_to_token"].shape[1]
+    if case == "start_past_the_row":
+        rejects(strict_backend, _with(call, "start", 0, M + 1), "start", "start past the row")
+    else:
+        end = int(call.args["end"][0])
+        bad = call.replace(start=call.args["start"].clone(), end=call.args["end"].clone())
+        bad.args["start"][0], bad.args["end"][0] = min(end + 1, M), min(end + 1, M) - 1
+        rejects(strict_backend, bad, "end", "end before start")
+
+
+@conformance(tier="contract", op="accepted_kv_moves")
+@pytest.mark.parametrize("case", ["row_out_of_range", "seq_len_past_the_row", "negative_seq_len"])
+def test_accepted_kv_moves_bad_rows_and_lengths(strict_backend, device, case):
+    call = cases.minimal("accepted_kv_moves", device, strict_backend)
+    R, M = call.args["req_to_token"].shape
+    if case == "row_out_of_range":
+        rejects(strict_backend, _with(call, "req_pool_indices", 0, R), "req_pool_indices", "a row past the table")
+    else:
+        rejects(strict_backend, _with(call, "seq_lens", 0, M if case == "seq_len_past_the_row" else -1), "seq_lens",
+                "a tree that does not fit its row" if case == "seq_len_past_the_row" else "a negative length")
+
+
+@conformance(tier="contract", op="reconstruct_tree")
+def test_reconstruct_tree_negative_seq_len(strict_backend, device):
+    call = cases.minimal("reconstruct_tree", device, strict_backend)
+    rejects(strict_backend, _with(call, "seq_lens", 0, -1), "seq_lens", "a negative length")
+
+
+@conformance(tier="contract", op="attention")
+@pytest.mark.parametrize("method", ["attention", "attention_layout"])
+@pytest.mark.parametrize("case", ["row_out_of_range", "keys_past_the_row", "negative_queries"])
+def test_attention_bad_rows_and_lengths(strict_backend, device, method, case):
+    call = cases.minimal(method, device, strict_backend).replace(tree_mask=None)
+    R, M = call.args["req_to_token"].shape
+    if case == "row_out_of_range":
+        rejects(strict_backend, _with(call, "req_pool_indices", 0, R), "req_pool_indices", "a row past the table")
+    elif case == "keys_past_the_row":
+        bad = _with(call, "kv_lens", 0, M + 1).replace(max_kv_len=M + 1)
+        rejects(strict_backend, bad, "kv_lens", "more keys than the row holds")
+    else:
+        q_lens = call.args["q_lens"].clone()
+        q_lens[0], q_lens[1] = -1, q_lens[1] + q_lens[0] + 1  # the same total
+        rejects(strict_backend, call.replace(q_lens=q_lens), "q_lens", "a negative query count")

@@ -33,7 +33,7 @@ from ..engine.engine import EngineConfig
 from ..engine.gguf_loader import find_model_file
 from ..engine.progress import Status
 from ..engine.request import SamplingParams
-from ..engine.scheduler import request_room
+from ..engine.scheduler import pages_of, request_room
 from ..engine.tokenizer import Tokenizer
 from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
@@ -177,7 +177,7 @@ def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, 
     if fit is None:
         return (f"{n} prompt tokens; --max-context-len {max_context_len} holds at most {max_context_len - trees - 1} "
                 f"with {nodes_option} ({trees} positions stay free for draft trees)")
-    budget = -(-fit[1] // page_size) * page_size
+    budget = pages_of(fit[1], page_size) * page_size
     if budget > num_slots // page_size * page_size:
         pages = f" (pages of {page_size})" if page_size > 1 else ""
         return (f"{n} prompt tokens need {budget} KV slots{pages} with their output and draft trees; "

@@ -36,6 +36,11 @@ def request_room(prompt_len: int, max_new_tokens: int, num_nodes: int, max_conte
     return output, prompt_len + output + 3 * num_nodes
 
 
+def pages_of(slots: int, page_size: int) -> int:
+    """Pages of ``page_size`` slots that hold ``slots`` positions of one request."""
+    return -(-slots // page_size)
+
+
 class Scheduler:
     """Waiting queue, running set, request-pool rows and KV slots.
 
@@ -85,8 +90,7 @@ class Scheduler:
         return None
 
     def _pages(self, slots: int) -> int:
-        """Pages holding ``slots`` positions of one request."""
-        return -(-slots // self.slots.page_size)
+        return pages_of(slots, self.slots.page_size)
 
     def outstanding(self) -> int:
         """Pages the running requests may still claim."""
@@ -136,8 +140,7 @@ class Scheduler:
         prefix, seq = [r.allocated for r, _ in grow], [t for _, t in grow]
         rows, prefix_dev, seq_dev = up([r.row for r, _ in grow]), up(prefix), up(seq)
         # The slot of each request's last allocated position (-1 where it holds none).
-        last = self.req_to_token[rows, (prefix_dev - 1).clamp(min=0)]
-        last = torch.where(prefix_dev > 0, last, torch.full_like(last, -1))
+        last = self.req_to_token[rows, (prefix_dev - 1).clamp(min=0)].masked_fill(prefix_dev == 0, -1)
         locs = self.slots.alloc_extend(prefix_dev, seq_dev, last, prefix, seq)
         self.backend.assign_req_to_token(self.req_to_token, rows, prefix_dev, seq_dev, locs)
         for r, t in grow:

@@ -617,7 +617,7 @@ def load_invariant(setup: Setup, status: Console) -> tuple:
     "skipped", why)`` where the backend runs no Triton model kernels, ``(None, "error", why)`` where
     the load fails (the default-mode runs go on without it)."""
     backend = setup.backend
-    if backend.model_kernels != "triton":
+    if not backend.batch_invariant:
         return None, "skipped", f"the batch-invariant mode needs Triton model kernels ('{backend.name}' runs torch)"
     try:
         with status.status("loading the model again, batch-invariant ..."):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
-from ngram_hal.engine.linear import DenseLinear  # noqa: E402
+from ngram_hal.model_kernels import DenseLinear  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
 

@@ -97,7 +97,7 @@ def profile_steps(engine, prompts: list[list[int]], params, steps: int) -> dict:
     decode, prefill = stats.decode_steps, stats.prefill_steps
     captures = graphs.captures if graphs is not None else None
     start = time.perf_counter()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.backend.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()

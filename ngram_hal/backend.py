@@ -74,9 +74,8 @@ class Backend:
     warp_size: ClassVar[int | None] = None
     page_sizes: ClassVar[list[int] | None] = None
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
-    # The kind of model kernels layer_kernels returns: "torch" (plain torch ops, any device) or
-    # "triton" (the fused kernels of ngram_hal.kernels.gpu); the CLI's defaults follow it.
-    model_kernels: ClassVar[str] = "torch"
+    # Whether layer_kernels can give results that do not depend on the rows sharing a call.
+    batch_invariant: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
         self.device = torch.device(device if device is not None else self.default_device)
@@ -129,6 +128,12 @@ class Backend:
         if batch_invariant:
             raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{self.name}'")
         return TorchLayerKernels(config, self, dtype)
+
+    def lookup_kernel(self):
+        """The device drafter's record-and-draft kernel (the signature of
+        :func:`ngram_hal.speculative.lookup.record_and_draft`, which the conformance suite's model
+        tier checks it against), or None for that plain-torch one."""
+        return None
 
     # ---------------------------------------------------------------- runtime
 

@@ -12,14 +12,14 @@ A layer runs as ``norm_linear`` (QKV), ``rope_store``, attention, ``linear_add``
 projection), ``norm_swiglu`` (gate/up and SwiGLU), ``linear_add`` (down). ``linear_add`` either
 adds its product to the residual stream at once and returns None, or returns it as the pending
 ``delta`` that the next norm adds. ``fold_norm`` says how a layer keeps each norm's weight: apart,
-or folded into the projection after it. ``config`` is the model's shape (a
-:class:`~ngram_hal.engine.config.LlamaConfig`); a linear layer is a callable ``x -> x @ W.T``
-with its ``weight`` W.
+or folded into the projection after it, and ``linear`` makes the model's linear layers (a
+:class:`Linear`: :class:`DenseLinear` here, the backend's fastest product in a subclass).
+``config`` is the model's shape (a :class:`~ngram_hal.engine.config.LlamaConfig`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,51 @@ from .kv_cache import KVCache
 if TYPE_CHECKING:
     from .backend import Backend
     from .engine.config import LlamaConfig
-    from .engine.linear import Linear
+
+
+class Linear(Protocol):
+    """A linear layer over a weight float[N, K] (``out_features`` N, ``in_features`` K):
+    ``layer(x)`` is ``x @ weight.T`` (float[M, K] -> float[M, N]), ``layer.rows(ids)`` an embedding
+    lookup (int64[n] -> float[n, K], for a weight tied to the token embeddings) and
+    ``layer.dense()`` the weight itself."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def dense(self) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    """``x @ weight.T`` through ``F.linear`` on the weight's device, in its dtype (a :class:`Linear`).
+
+    Args:
+        weight: float[N, K].
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: float[M, K] -> float[M, N]."""
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64[n] -> float[n, K]."""
+        return F.embedding(ids, self.weight)
+
+    def dense(self) -> torch.Tensor:
+        """The weight, float[N, K]."""
+        return self.weight
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The model dtype a device runs best: float32 on the CPU, bfloat16 on an accelerator."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -56,8 +100,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class TorchLayerKernels:
     """Norm, rotary + K/V store and SwiGLU in plain torch; the K/V store is the backend's op."""
-
-    fuses_products = False
 
     def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype):
         self.config = config
@@ -90,6 +132,11 @@ class TorchLayerKernels:
         """``silu(gate) * up`` of the fused gate/up projection float[N, 2I] -> float[N, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def linear(self, weight: torch.Tensor) -> Linear:
+        """The linear layer the model runs over ``weight`` (float[N, K], on the device, in the
+        model's dtype)."""
+        return DenseLinear(weight)
 
     def fold_norm(self, norm: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The (norm weight, projection weight) pair a layer keeps for ``norm_linear``/``norm_swiglu``:

@@ -17,6 +17,7 @@ from ngram_hal.backend import OPS
 from ngram_hal.model_kernels import TorchLayerKernels
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import attention, verify
+from ngram_hal.speculative.lookup import record_and_draft
 
 FAULTS = (
     "wrong dtype out",
@@ -38,7 +39,7 @@ FAULTS = (
     "formula slip",
 )
 BOTH = ("on", "off")
-MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add")
+MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
 """The model kernels (:class:`~ngram_hal.model_kernels.TorchLayerKernels` methods) mutants break."""
 
 
@@ -810,6 +811,27 @@ class LinearAddOverwritesTheStream(KernelMutant):
 
     fault, op, kernels = "formula slip", "linear_add", _LinearAddLosesResidual
     caught_by = tuple(f"test_model_kernels.py::test_products_match_torch[{n}]" for n in (1, 3, 40))
+
+
+def _lookup_repeats_its_first_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, num_nodes, max_ngram,
+                                    min_ngram, live=None, out=None):
+    chains = record_and_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, num_nodes, max_ngram, min_ngram,
+                              live).view(-1, num_nodes).clone()
+    chains[:, 2:] = chains[:, 1:-1].clone()  # the copy's position advanced one draft late
+    chains = chains.view(-1)
+    return chains if out is None else out.copy_(chains)
+
+
+class LookupRepeatsItsFirstDraft(KernelMutant):
+    """The device drafter's lookup kernel drafts its first token twice: every later draft is one
+    position behind the match it copies."""
+
+    fault, op = "off-by-one", "lookup"
+    control = "test_model_kernels.py::test_norm_matches_torch[residual-1]"
+    caught_by = ("test_model_kernels.py::test_device_lookup_matches_torch[8]",)
+
+    def lookup_kernel(self):
+        return _lookup_repeats_its_first_draft
 
 
 class HonestPartialBackend(CpuBackend):

@@ -70,7 +70,7 @@ def reference(model, prompts):
 def assert_all_free(engine: Engine):
     assert engine.sched.slots.available() == engine.sched.slots.num_slots
     assert engine.sched.pool.available() == engine.sched.pool.size
-    assert not engine.sched.running and engine.relay.batch_size == 0
+    assert not engine.sched.running and engine.runner.relay.batch_size == 0
 
 
 @pytest.mark.parametrize("spec_nodes,drafter,overlap", [
@@ -109,7 +109,7 @@ def test_steps_run_only_the_drafted_nodes(model, prompts, reference, limit):
     """Padding past the fullest draft of the batch is not run: with nothing drafted a step is a
     plain decode step; with at most 3 drafted nodes a step runs 3 nodes. Output stays exact."""
     engine = Engine(model, None, EngineConfig(spec_nodes=8, num_slots=1024, max_context_len=256),
-                    drafter=ShortDrafts(limit))
+                    drafter=lambda: ShortDrafts(limit))
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert_all_free(engine)
@@ -483,19 +483,10 @@ def test_auto_runs_its_one_node_steps_overlapped(model, prompts, reference):
     # waits for the previous step, as without speculation.
     engine = make(model, spec_nodes=8, overlap=True, spec_policy="auto")
     engine.policy.peek = engine.policy.choose = lambda bucket, requests, context: 1
-    absorbed = []
-    absorb = engine._absorb
-
-    def record(step, critical):
-        absorbed.append((step.kind, critical))
-        absorb(step, critical)
-
-    engine._absorb = record
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert_all_free(engine)
-    decode = [critical for kind, critical in absorbed if kind == "decode"]
-    assert decode and not any(decode[:-1])
+    assert engine.stats.decode_steps > 1 and engine.stats.critical_decodes <= 1, "only the last may wait"
 
 
 @pytest.mark.parametrize("policy", ["always", "auto"])
@@ -507,26 +498,14 @@ def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
     drafts the next one's chains; a separate drafting launch runs only where the batch changed
     (a prefill joined, a request left)."""
     engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy=policy, probe_every=2)
-    assert engine.drafter is None and engine.lookup is not None
-    absorbed, drafts = [], []
-    absorb, draft = engine._absorb, engine.lookup.draft
-
-    def record(step, critical):
-        absorbed.append((step.kind, step.tree_size, critical))
-        absorb(step, critical)
-
-    def count(rows, relay, n):
-        drafts.append(n)
-        return draft(rows, relay, n)
-
-    engine._absorb, engine.lookup.draft = record, count
+    assert engine.drafts.ahead
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert_all_free(engine)
-    assert 1 <= len(drafts) <= engine.stats.prefill_steps + len(prompts) < engine.stats.decode_steps
-    decode = [(size, critical) for kind, size, critical in absorbed if kind == "decode"]
-    assert not any(critical for _, critical in decode[:-1])
-    assert any(size > 1 for size, _ in decode)
+    stats = engine.stats
+    assert 1 <= engine.drafts.launches <= stats.prefill_steps + len(prompts) < stats.decode_steps
+    assert stats.critical_decodes <= 1, "only the last decode step's tokens may be waited for"
+    assert stats.tree_nodes > stats.decode_steps, "some step speculated"
     if policy == "always":
         assert engine.stats.tokens_per_step > 1.2
 
@@ -559,9 +538,8 @@ def test_auto_runs_plain_while_the_drafter_records(model, prompts, reference):
             return self.busy_steps >= 0
 
     for policy in ("auto", "always"):
-        drafter = SlowToRecord()
         engine = Engine(model, None, EngineConfig(num_slots=1024, max_context_len=256, spec_nodes=8,
-                                                  spec_policy=policy, probe_every=2), drafter=drafter)
+                                                  spec_policy=policy, probe_every=2), drafter=SlowToRecord)
         sizes = []
         choose = engine.policy.choose
         engine.policy.choose = lambda *args: sizes.append(choose(*args)) or sizes[-1]
@@ -615,24 +593,17 @@ def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, refere
     committed, and the request's acceptance record counts it; the tokens stay exact."""
     engine = make(model, spec_nodes=8, overlap=True, drafter="device", spec_policy="auto")
     engine.policy.peek = engine.policy.choose = lambda bucket, requests, context: 1
-    scored, records = [], {}
-    absorb, acceptances = engine._absorb, engine._acceptances
+    records, drop = {}, engine.policy.drop
 
-    def record(step, critical):
-        if step.kind == "decode":
-            scored.append(step.shadow.tolist())
-        absorb(step, critical)
+    def keep(rids):
+        records.update({rid: engine.policy.records[rid] for rid in rids})
+        drop(rids)
 
-    def keep(reqs):
-        found = acceptances(reqs)
-        records.update({r.rid: a for r, a in zip(reqs, found)})
-        return found
-
-    engine._absorb, engine._acceptances = record, keep
+    engine.policy.drop = keep
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-    assert scored and all(s is not None for s in scored)
-    hits = sum(map(sum, scored))
-    assert 0 < hits < sum(map(len, scored)), "the loops of the model's greedy output are drafted, not all of it"
-    assert all(sum(a.first) > 0 for a in records.values())
+    stats = engine.stats
+    assert stats.shadow_drafts == stats.decode_rows, "every plain step scored every request's first draft"
+    assert 0 < stats.shadow_hits < stats.shadow_drafts, "the loops of the model's greedy output are drafted, not all of it"
+    assert len(records) == len(prompts) and all(sum(a.first) > 0 for a in records.values())
     assert_all_free(engine)

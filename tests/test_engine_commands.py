@@ -88,6 +88,14 @@ def test_summary_line_names_the_requests_that_differ():
     assert summary_line(spec, None, None, greedy=True) == "10 tokens in 1.0 s (10.0 tok/s), 2.00 tok/verify step"
 
 
+def test_summary_line_fits_80_columns_at_gpu_rates():
+    fast = result([list(range(4000))], wall=1.0, steps=1000)
+    plain = result([list(range(4000))], wall=3.7, steps=3999)
+    line = summary_line(fast, plain, [True], greedy=True)
+    assert line == "speedup 3.70x (4000 vs 1081 tok/s), 4.00 tok/verify step, identical tokens: 1/1"
+    assert len(line) <= 80
+
+
 def test_run_compare_as_a_user_runs_it(tmp_path):
     out = tmp_path / "run.json"
     done = run_cli("run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "6", "--compare",
@@ -136,13 +144,12 @@ def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):
     assert all(len(line) <= 80 for line in printed.splitlines()) and "…" not in printed
 
 
-def test_default_drafter_follows_the_model_kernels():
-    from ngram_hal.cli.run import default_drafter
+def test_defaults_follow_the_device():
+    from ngram_hal.cli.run import CPU_SPEC_NODES, GPU_SPEC_NODES, default_drafter, default_spec_nodes
     from ngram_hal.reference import CpuBackend
 
-    assert default_drafter(CpuBackend()) == "trie"
-
-    class TritonKernels(CpuBackend):
-        model_kernels = "triton"
-
-    assert default_drafter(TritonKernels()) == "device"
+    host = CpuBackend()
+    assert (default_drafter(host), default_spec_nodes(host)) == ("trie", CPU_SPEC_NODES)
+    if torch.cuda.is_available():
+        gpu = CpuBackend(device="cuda")
+        assert (default_drafter(gpu), default_spec_nodes(gpu)) == ("device", GPU_SPEC_NODES)

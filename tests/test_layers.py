@@ -100,6 +100,15 @@ def test_imports_point_down(module):
                     + ", ".join(f"{t} ({LAYERS[layer_of(t)][0]})" for t in up))
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if LAYERS[layer_of(m)][0] in ("speculative core", "engine")))
+def test_the_core_reaches_the_hardware_only_through_the_hal(module):
+    """The speculative core and the engine import no backend and no kernel: they reach the
+    hardware through the ``Backend`` interface (its ops, ``layer_kernels``, ``lookup_kernel``)."""
+    backends = [rank for rank, (name, _) in enumerate(LAYERS) if name == "backends"]
+    direct = sorted(t for t in GRAPH[module] if layer_of(t) in backends)
+    assert not direct, f"{module} imports backend modules: {', '.join(direct)}"
+
+
 def test_no_import_cycles():
     """No strongly connected set of modules (Tarjan's algorithm over the import graph)."""
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []

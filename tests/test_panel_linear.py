@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ngram_hal.engine.linear import DenseLinear, make_linear
-from ngram_hal.kernels.cpu import PanelLinear
+from ngram_hal.engine.config import LlamaConfig
+from ngram_hal.kernels.cpu import CpuLayerKernels, PanelLinear
+from ngram_hal.model_kernels import DenseLinear
+from ngram_hal.reference import CpuBackend
 from ngram_hal.kernels.cpu.panel_linear import FEW_ROWS, KERNEL_ROWS, PANEL
 
 
@@ -82,9 +84,12 @@ def test_bad_weight_is_named():
         PanelLinear(torch.randn(4, 4, dtype=torch.float16))
 
 
-def test_make_linear_picks_by_device_and_dtype(weight):
-    assert isinstance(make_linear(weight), PanelLinear)
-    half = make_linear(weight.to(torch.bfloat16))
+def test_the_cpu_backend_picks_panels_for_float32(weight):
+    config = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=48)
+    kernels = CpuBackend().layer_kernels(config, torch.float32)
+    assert isinstance(kernels, CpuLayerKernels) and isinstance(kernels.linear(weight), PanelLinear)
+    half = kernels.linear(weight.to(torch.bfloat16))
     assert isinstance(half, DenseLinear)
     x = torch.randn(2, weight.shape[1], dtype=torch.bfloat16)
     assert torch.equal(half(x), F.linear(x, weight.to(torch.bfloat16)))

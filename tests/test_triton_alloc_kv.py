@@ -31,7 +31,7 @@ from ngram_hal.kernels.triton.ops import TritonHalOps  # noqa: E402
 from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 from ngram_hal_conformance import cases  # noqa: E402
-from ngram_hal_conformance.checks import assert_bitwise, assert_equal, assert_index_output, host, slots  # noqa: E402
+from ngram_hal_conformance.checks import assert_bitwise, assert_equal, assert_index_output, slots  # noqa: E402
 
 I64 = torch.int64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

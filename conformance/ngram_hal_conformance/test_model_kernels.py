@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from ngram_hal.engine.config import LlamaConfig
-from ngram_hal.engine.linear import default_dtype, make_linear
 from ngram_hal.kv_cache import KVCache
-from ngram_hal.model_kernels import TorchLayerKernels
+from ngram_hal.model_kernels import TorchLayerKernels, default_dtype
 from ngram_hal.speculative.lookup import DeviceDrafter, record_and_draft
 from ngram_hal.speculative.relay import OverlapRelay
 
@@ -43,7 +42,7 @@ def _pair(backend):
 
 def _linear(kernels, weight: torch.Tensor):
     """The linear layer the model would build for ``weight`` beside ``kernels``."""
-    return make_linear(weight, panels=not kernels.fuses_products)
+    return kernels.linear(weight)
 
 
 def _randn(gen: torch.Generator, *shape, dtype, device, scale: float = 1.0) -> torch.Tensor:

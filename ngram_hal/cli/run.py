@@ -252,7 +252,7 @@ def make_backend(args: argparse.Namespace):
         torch.zeros(1, device=backend.device)
     except (RuntimeError, AssertionError) as exc:
         raise CommandError(f"--device {backend.device}: cannot allocate there ({error_line(exc)})") from exc
-    if getattr(args, "batch_invariant", False) and backend.model_kernels != "triton":
+    if getattr(args, "batch_invariant", False) and not backend.batch_invariant:
         raise CommandError(f"--batch-invariant: needs a backend that runs Triton kernels (cuda, rocm), "
                            f"not '{backend.name}'")
     return backend
@@ -292,9 +292,10 @@ def busy_note(load: float, cores: int) -> str | None:
 
 
 def default_spec_nodes(backend) -> int:
-    """D where ``--spec-nodes`` is not given: :data:`GPU_SPEC_NODES` where the backend runs Triton
-    model kernels (cuda, rocm), :data:`CPU_SPEC_NODES` elsewhere."""
-    return GPU_SPEC_NODES if getattr(backend, "model_kernels", "torch") == "triton" else CPU_SPEC_NODES
+    """D where ``--spec-nodes`` is not given: :data:`CPU_SPEC_NODES` where the backend's device is
+    the host (a step's rows cost in proportion), :data:`GPU_SPEC_NODES` on an accelerator (rows
+    nearly free at small batches)."""
+    return CPU_SPEC_NODES if backend.runtime.is_host else GPU_SPEC_NODES
 
 
 def nodes_option(args: argparse.Namespace) -> str:
@@ -303,9 +304,10 @@ def nodes_option(args: argparse.Namespace) -> str:
 
 
 def default_drafter(backend) -> str:
-    """``"device"`` where the backend runs Triton model kernels (cuda, rocm: drafting on the device
-    lets speculative steps overlap), ``"trie"`` elsewhere (on the CPU the host drafts as fast)."""
-    return "device" if getattr(backend, "model_kernels", "torch") == "triton" else "trie"
+    """``"trie"`` where the backend's device is the host (nothing overlaps there, and the trie
+    drafts from every request's text), ``"device"`` on an accelerator (drafting on the device
+    lets speculative steps overlap)."""
+    return "trie" if backend.runtime.is_host else "device"
 
 
 class Setup:
@@ -479,7 +481,7 @@ def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool]
     """The run in one line: the speedup, tokens per verify step, identical tokens."""
     t = result.totals
     if baseline is None:
-        return (f"{t.output_tokens} tokens in {t.wall_s:.1f} s ({t.tokens_per_s:.1f} tok/s), "
+        return (f"{t.output_tokens} tokens in {t.wall_s:.1f} s ({_rate(t.tokens_per_s)} tok/s), "
                 f"{t.tokens_per_verify_step:.2f} tok/verify step")
     b = baseline.totals
     speedup = _ratio(t.tokens_per_s, b.tokens_per_s)
@@ -487,8 +489,13 @@ def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool]
     identical = f"identical tokens: {sum(same)}/{len(same)}"
     if ids:
         identical += f" (differ: {', '.join(ids)}" + ("" if greedy else "; expected when sampling") + ")"
-    return (f"speedup {speedup or 0:.2f}x ({t.tokens_per_s:.1f} vs {b.tokens_per_s:.1f} tok/s), "
+    return (f"speedup {speedup or 0:.2f}x ({_rate(t.tokens_per_s)} vs {_rate(b.tokens_per_s)} tok/s), "
             f"{t.tokens_per_verify_step:.2f} tok/verify step, {identical}")
+
+
+def _rate(tokens_per_s: float) -> str:
+    """A rate in at most five digits, so the summary fits 80 columns at GPU rates too."""
+    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"
 
 
 def _requests_table(result: RunResult, same: list[bool] | None) -> Table:

@@ -1,6 +1,8 @@
-"""``LlamaConfig``: the shape of a Llama-family model."""
+"""Settings: ``LlamaConfig``, the shape of a Llama-family model, and ``EngineConfig``, an engine's."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -39,4 +41,57 @@ class LlamaConfig(BaseModel):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} ({value}) outside the vocabulary [0, {self.vocab_size})")
+        return self
+
+
+class EngineConfig(BaseModel):
+    """Engine settings.
+
+    ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
+    ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever a cost
+    model expects to commit the most tokens per second for the whole batch
+    (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. With a host drafter
+    (``"trie"``, ``"linear"``) a speculative step runs only as many tree nodes as the fullest draft
+    of the batch holds: a plain decode step (1 node) when the drafter found nothing for any
+    request. ``"device"`` drafts the linear drafter's chains on the device
+    (:class:`~ngram_hal.speculative.lookup.DeviceDrafter`): the host never sees a draft, so every
+    step runs the nodes the policy chose, and speculative steps overlap like plain ones.
+    ``num_slots`` sizes the KV cache, handed out in pages of ``page_size`` slots (the last
+    ``num_slots % page_size`` unused); ``max_running`` bounds the batch; ``max_context_len`` is
+    the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
+    at most :meth:`max_spec_nodes` of it.
+    ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
+    where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or
+    with a strict backend).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec_nodes: int = Field(8, ge=1)
+    drafter: Literal["trie", "linear", "device"] = "trie"
+    spec_policy: Literal["always", "auto"] = "always"
+    probe_every: int = Field(16, ge=1)
+    overlap: bool = True
+    graphs: bool = True
+    num_slots: int = Field(16384, ge=1)
+    page_size: int = Field(1, ge=1)
+    max_running: int = Field(32, ge=1)
+    max_context_len: int = Field(2048, ge=8)
+    max_prefill_tokens: int = Field(4096, ge=1)
+    seed: int = 0
+
+    @staticmethod
+    def max_spec_nodes(max_context_len: int) -> int:
+        """The largest D a context of ``max_context_len`` positions holds with room for one prompt
+        token and one new token beside the ``3*D`` positions of speculation room."""
+        return (max_context_len - 2) // 3
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "EngineConfig":
+        if self.page_size > self.num_slots:
+            raise ValueError(f"page_size {self.page_size} exceeds num_slots {self.num_slots}: the cache holds no page")
+        limit = self.max_spec_nodes(self.max_context_len)
+        if self.spec_nodes > limit:
+            raise ValueError(f"spec_nodes {self.spec_nodes} leaves no room in max_context_len {self.max_context_len} "
+                             f"(a request keeps 3 * spec_nodes positions for draft trees): at most {limit}")
         return self

@@ -6,9 +6,9 @@ RMSNorm and a SwiGLU MLP. Everything runs on ``backend.device``. The norm, rotar
 steps are the backend's model kernels (:meth:`Backend.layer_kernels
 <ngram_hal.backend.Backend.layer_kernels>`: plain torch with the backend's ``store_kv``, or fused
 Triton kernels where the backend runs Triton, which for few rows also fold the norms, SwiGLU and
-the residual adds into the projections); the projections are :mod:`ngram_hal.engine.linear` layers
-(panel-packed float32 weights with a compiled small-row kernel on the CPU, ``F.linear`` elsewhere,
-or a batch-invariant Triton product).
+the residual adds into the projections); the projections are the linear layers the same kernels
+make (panel-packed float32 weights with a compiled small-row kernel on the reference backend's CPU,
+``F.linear`` elsewhere, or a batch-invariant Triton product).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from .. import contract as c
 from ..backend import Backend
 from ..kv_cache import KVCache
+from ..model_kernels import Linear, default_dtype
 from .config import LlamaConfig
 from .gguf_loader import TokenizerMetadata, load_gguf
-from .linear import Linear, default_dtype, make_linear as linear_for
 
 
 @dataclass
@@ -141,9 +141,7 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def make_linear(weight: torch.Tensor) -> Linear:
-            return linear_for(weight, batch_invariant, panels=not self.kernels.fuses_products)
-
+        make_linear = self.kernels.linear
         self.embed = make_linear(w("model.embed_tokens.weight"))
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else make_linear(w("lm_head.weight"))

@@ -204,11 +204,17 @@ class SpecPolicy:
             gap doubles, up to ``8 * probe_every``, while such probes leave plain steps best.
         margin: how much more throughput than plain steps speculation must promise to be chosen
             (0.05: 5%).
-        costs: the step costs to start from (those of an earlier policy of the same engine).
+        costs: the step costs to start from.
+        buckets: the batch buckets step costs are kept under (a batch counts as the smallest
+            bucket that holds it).
+
+    :meth:`batch` gives what :meth:`peek` and :meth:`choose` read for a batch of requests, and
+    keeps each request's :class:`Acceptance` (in :attr:`records`, by request id, until
+    :meth:`drop`).
     """
 
     def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, margin: float = 0.05,
-                 costs: StepCosts | None = None):
+                 costs: StepCosts | None = None, buckets: Sequence[int] = (1,)):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
         if not margin >= 0:
@@ -219,9 +225,35 @@ class SpecPolicy:
         self.margin = margin
         self.costs = costs if costs is not None else StepCosts()
         self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
+        self.buckets = sorted(buckets)
+        self.forget()
+
+    def forget(self) -> None:
+        """Start again as a new policy would: no acceptance records, no steps chosen; the step
+        costs stay (they are the device's, not the text's)."""
+        self.records: dict[str, Acceptance] = {}
         self.chosen = {n: 0 for n in self.sizes}
         self._plain_run = 0
-        self._probe_gap = probe_every
+        self._probe_gap = self.probe_every
+
+    def batch(self, requests: Sequence) -> tuple[int, list[Acceptance], float]:
+        """``(bucket, acceptances, context)`` for a batch of requests (objects with ``rid`` and
+        ``seq_len``): the bucket of its size, each request's record (a new one for a request's
+        first verify step) and the mean keys per request before the step's trees. In ``always``,
+        which reads neither, no records and context 0."""
+        bucket = next(b for b in self.buckets if b >= len(requests))
+        if self.mode != "auto":
+            return bucket, [], 0.0
+        records = self.records
+        for r in requests:
+            if r.rid not in records:
+                records[r.rid] = Acceptance()
+        return bucket, [records[r.rid] for r in requests], sum(r.seq_len for r in requests) / len(requests)
+
+    def drop(self, rids: Sequence[str]) -> None:
+        """Forget the records of finished requests."""
+        for rid in rids:
+            self.records.pop(rid, None)
 
     def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance], context: float = 0.0) -> float | None:
         """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``

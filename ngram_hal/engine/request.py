@@ -167,3 +167,9 @@ class Request:
             new_logprobs=new_lp, token_ids=list(self.output_ids), text=text,
             logprobs=list(self.logprobs) if want_lp else None, finished=self.finished,
             finish_reason=self.finish_reason, error=self.error, verify_steps=self.verify_steps)
+
+    def final_output(self) -> RequestOutput:
+        """The last output of a finished request (:meth:`take_output`), marking it reported."""
+        out = self.take_output()
+        self.reported = True
+        return out

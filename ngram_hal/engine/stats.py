@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -19,7 +19,10 @@ class EngineStats:
     at 0 where the runtime has none, e.g. on the CPU). ``draft_s``: host time in the drafter
     (drafting trees, recording prompts and committed tokens); drafting is part of ``launch_s``,
     recording part of ``process_s`` or ``critical_s``, or neither for prompts (recorded while the
-    device runs their prefill).
+    device runs their prefill). ``critical_decodes``: verify steps whose results the host took
+    before it could enqueue the next step (in the overlapped loop, those a host drafter needed,
+    and the last). ``shadow_drafts`` / ``shadow_hits``: first drafts that plain steps scored
+    without running them (drafted on the device anyway), and how many matched the committed token.
     """
 
     prefill_steps: int = 0
@@ -34,6 +37,14 @@ class EngineStats:
     device_busy_s: float = 0.0
     device_idle_s: float = 0.0
     draft_s: float = 0.0
+    critical_decodes: int = 0
+    shadow_drafts: int = 0
+    shadow_hits: int = 0
+
+    def reset(self) -> None:
+        """Every counter back to zero."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
     @property
     def device_idle_fraction(self) -> float:

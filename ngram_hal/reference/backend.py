@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import Backend
+from ..kernels.cpu import CpuLayerKernels
 from . import alloc, attention, kv, tree, verify
 
 
@@ -26,6 +27,12 @@ class CpuBackend(Backend):
     _reconstruct_tree = staticmethod(tree.reconstruct_tree)
     _verify_tree_greedy = staticmethod(verify.verify_tree_greedy)
     _verify_tree_sample = staticmethod(verify.verify_tree_sample)
+
+    def layer_kernels(self, config, dtype, batch_invariant=False):
+        """Plain torch, with float32 CPU projections in panels (:class:`~ngram_hal.kernels.cpu.CpuLayerKernels`)."""
+        if batch_invariant:
+            return super().layer_kernels(config, dtype, batch_invariant)
+        return CpuLayerKernels(config, self, dtype)
 
     def _attention_layout(self, layout):
         return attention.layout(layout.req_to_token, layout.req_pool_indices, layout.kv_lens, layout.q_lens,

@@ -253,3 +253,11 @@ class LinearDrafter(CorpusDrafter):
             return self._context[rid]
         except (KeyError, TypeError):
             raise KeyError(f"unknown request {rid!r}") from None
+
+
+def make_drafter(kind: str) -> Drafter:
+    """The host drafter named ``kind`` (``"trie"`` or ``"linear"``) with its default settings."""
+    drafters = {"trie": TrieDrafter, "linear": LinearDrafter}
+    if kind not in drafters:
+        raise ValueError(f"drafter: expected one of {', '.join(drafters)}, got {kind!r}")
+    return drafters[kind]()

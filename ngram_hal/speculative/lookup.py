@@ -108,7 +108,8 @@ class DeviceDrafter:
     (:meth:`chains_ahead`).
 
     Args:
-        backend: runs the drafting (its ``model_kernels`` picks the Triton kernel or torch).
+        backend: runs the drafting (with its :meth:`~ngram_hal.backend.Backend.lookup_kernel`, or
+            :func:`record_and_draft` where it has none).
         num_rows, width: the token table's shape, the request table's: R request-pool rows of W
             positions.
         num_nodes: D, the longest chain a step takes from :attr:`next_chains`.
@@ -128,11 +129,7 @@ class DeviceDrafter:
         self.device = backend.device
         self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
         self.next_chains = torch.zeros((num_rows, num_nodes), dtype=torch.int64, device=self.device)
-        self._kernel = None
-        if getattr(backend, "model_kernels", "torch") == "triton":
-            from ..kernels.gpu import lookup
-
-            self._kernel = lookup.record_and_draft
+        self._kernel = backend.lookup_kernel()
         self._chains: dict[int, torch.Tensor] = {}
 
     def add_prompts(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> None:

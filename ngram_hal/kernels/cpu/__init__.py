@@ -1,5 +1,6 @@
-"""Compiled CPU kernels (numba)."""
+"""The reference backend's CPU kernels: compiled products (numba) and its model kernels."""
 
+from .layer_kernels import CpuLayerKernels
 from .panel_linear import PanelLinear
 
-__all__ = ["PanelLinear"]
+__all__ = ["CpuLayerKernels", "PanelLinear"]

@@ -7,13 +7,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...model_kernels import TorchLayerKernels
+from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
 from . import matmul, norm, rotary, swiglu
 
 if TYPE_CHECKING:
     from ...backend import Backend
     from ...engine.config import LlamaConfig
-    from ...engine.linear import Linear
+
+
+class InvariantLinear(DenseLinear):
+    """``x @ weight.T`` by :func:`ngram_hal.kernels.gpu.matmul.invariant_linear`: one fixed tiling
+    for any number of rows, so each row's result is independent of its batch."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul.invariant_linear(x.contiguous(), self.weight)
 
 
 class TritonLayerKernels(TorchLayerKernels):
@@ -26,10 +33,8 @@ class TritonLayerKernels(TorchLayerKernels):
     ``backend.launch.fused_linear_rows`` rows run each projection whose weight holds at most
     ``fused_linear_max_bytes`` as a fused product (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`
     tiling); with ``batch_invariant`` every forward runs every projection so, in the fixed
-    invariant tiling.
+    invariant tiling, and the linear layers are :class:`InvariantLinear`.
     """
-
-    fuses_products = True
 
     def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype, batch_invariant: bool = False):
         super().__init__(config, backend, dtype)
@@ -64,6 +69,9 @@ class TritonLayerKernels(TorchLayerKernels):
 
     def swiglu(self, gate_up):
         return self._swiglu(gate_up)
+
+    def linear(self, weight):
+        return InvariantLinear(weight) if self.batch_invariant else DenseLinear(weight)
 
     def fold_norm(self, norm, weight):
         """The norm's weight folded into the projection's (``W * g``): the norm then only scales rows."""

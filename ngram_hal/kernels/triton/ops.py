@@ -30,7 +30,7 @@ class TritonHalOps:
     """Mixin: every HAL op by the Triton kernels of :mod:`ngram_hal.kernels.triton`."""
 
     launch: ClassVar[LaunchConfig] = LaunchConfig()
-    model_kernels: ClassVar[str] = "triton"
+    batch_invariant: ClassVar[bool] = True
 
     _alloc_extend = _kernel_op("alloc", "alloc_extend")
     _assign_req_to_token = _kernel_op("alloc", "assign_req_to_token")
@@ -49,3 +49,9 @@ class TritonHalOps:
         from ..gpu.layer_kernels import TritonLayerKernels
 
         return TritonLayerKernels(config, self, dtype, batch_invariant)
+
+    def lookup_kernel(self):
+        """The Triton prompt lookup (:func:`~ngram_hal.kernels.gpu.lookup.record_and_draft`)."""
+        from ..gpu.lookup import record_and_draft
+
+        return record_and_draft

@@ -1,0 +1,19 @@
+"""The reference backend's model kernels: plain torch, with float32 CPU projections in panels."""
+
+from __future__ import annotations
+
+import torch
+
+from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
+from .panel_linear import PanelLinear
+
+
+class CpuLayerKernels(TorchLayerKernels):
+    """:class:`~ngram_hal.model_kernels.TorchLayerKernels` whose float32 CPU weights run as
+    :class:`~ngram_hal.kernels.cpu.panel_linear.PanelLinear` (memory-bound products of few rows,
+    see its module); other weights stay :class:`~ngram_hal.model_kernels.DenseLinear`."""
+
+    def linear(self, weight: torch.Tensor) -> Linear:
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            return PanelLinear(weight)
+        return DenseLinear(weight)

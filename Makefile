@@ -32,7 +32,7 @@ PUBLISHED := docs/conformance
 RUN_MAX_NEW_TOKENS ?=
 RUN_BUDGET := $(if $(RUN_MAX_NEW_TOKENS),--max-new-tokens $(RUN_MAX_NEW_TOKENS))
 
-.PHONY: run conformance matrix test test-unit test-portability test-conformance test-proxy-cuda test-proxy-rocm test-proxy-npu docs-matrix venv clean
+.PHONY: run conformance matrix test test-unit test-portability test-conformance test-proxy-cuda test-proxy-rocm test-proxy-npu docs-matrix docs-ops venv clean
 
 venv: $(STAMP)
 
@@ -111,6 +111,10 @@ test-proxy-npu: $(STAMP)
 docs-matrix: $(STAMP)
 	$(NGRAM_HAL) matrix $(sort $(wildcard $(PUBLISHED)/*.json)) \
 		--markdown $(PUBLISHED)/matrix.md --html $(PUBLISHED)/matrix.html
+
+# The op reference, made from the ops' declarations.
+docs-ops: $(STAMP)
+	$(PY) -c "from ngram_hal.declarations import ops_markdown; print(ops_markdown(), end='')" > docs/ops.md
 
 clean:
 	rm -rf $(REPORTS) .hypothesis

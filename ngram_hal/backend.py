@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from . import contract as c
+from .declarations import DECLARATIONS
 from .layout import AttentionLayout
 from .model_kernels import TorchLayerKernels
 from .runtime import Runtime
@@ -30,18 +31,8 @@ if TYPE_CHECKING:
     from .engine.config import LlamaConfig
     from .kv_cache import KVCache
 
-OPS: tuple[str, ...] = (
-    "alloc_extend",
-    "assign_req_to_token",
-    "gather_cache_locs",
-    "store_kv",
-    "move_kv",
-    "accepted_kv_moves",
-    "reconstruct_tree",
-    "verify_tree_greedy",
-    "verify_tree_sample",
-    "attention",
-)
+OPS: tuple[str, ...] = tuple(decl.name for decl in DECLARATIONS)
+"""The ops, in declaration order (:mod:`ngram_hal.declarations`)."""
 
 
 class Capabilities(BaseModel):

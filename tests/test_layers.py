@@ -21,8 +21,8 @@ PACKAGES = {"ngram_hal": ROOT / "ngram_hal", "ngram_hal_cuda": ROOT / "backends/
 
 # (layer, module prefixes), bottom first; a module belongs to the layer of its longest prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("contract types", ("ngram_hal.contract", "ngram_hal.kv_cache", "ngram_hal.layout", "ngram_hal.files",
-                        "ngram_hal.options")),
+    ("contract types", ("ngram_hal.contract", "ngram_hal.declarations", "ngram_hal.kv_cache", "ngram_hal.layout",
+                        "ngram_hal.files", "ngram_hal.options")),
     ("hal", ("ngram_hal", "ngram_hal.backend", "ngram_hal.model_kernels", "ngram_hal.runtime", "ngram_hal.registry",
              "ngram_hal.proxy")),
     ("backends", ("ngram_hal.reference", "ngram_hal.kernels", "ngram_hal_cuda", "ngram_hal_rocm", "ngram_hal_npu")),

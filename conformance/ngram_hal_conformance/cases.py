@@ -14,50 +14,20 @@ from typing import Any
 
 import torch
 
+from ngram_hal.declarations import DECLARATIONS, TENSOR_KINDS
 from ngram_hal.kv_cache import KVCache
 
 # The tensor arguments of every public method of the HAL, in signature order, by kind: "index"
-# (int64), "mask" (bool) or "float". The keys are method names: "attention_layout" is the layout
-# builder of the op "attention" (see OP_OF).
+# (int64), "mask" (bool) or "float"; and those whose size is tied to another argument's (one entry
+# short -> ContractError naming it). Both come from the ops' declarations; the keys are method
+# names: "attention_layout" is the layout builder of the op "attention" (see OP_OF).
 TENSOR_ARGS: dict[str, dict[str, str]] = {
-    "alloc_extend": {"prefix_lens": "index", "seq_lens": "index", "last_loc": "index", "free_pages": "index"},
-    "assign_req_to_token": {"req_to_token": "index", "req_pool_indices": "index", "start": "index", "end": "index",
-                            "locs": "index"},
-    "gather_cache_locs": {"req_to_token": "index", "req_pool_indices": "index", "start": "index", "end": "index"},
-    "store_kv": {"locs": "index", "k": "float", "v": "float"},
-    "move_kv": {"src": "index", "dst": "index"},
-    "accepted_kv_moves": {"out_cache_loc": "index", "accept_index": "index", "req_to_token": "index",
-                          "req_pool_indices": "index", "seq_lens": "index"},
-    "reconstruct_tree": {"tree_mask": "mask", "seq_lens": "index"},
-    "verify_tree_greedy": {"candidates": "index", "retrieve_index": "index", "retrieve_next_token": "index",
-                           "retrieve_next_sibling": "index", "target_predict": "index"},
-    "verify_tree_sample": {"candidates": "index", "retrieve_index": "index", "retrieve_next_token": "index",
-                           "retrieve_next_sibling": "index", "target_probs": "float", "uniform_samples": "float",
-                           "uniform_final": "float"},
-    "attention_layout": {"req_to_token": "index", "req_pool_indices": "index", "kv_lens": "index",
-                         "q_lens": "index", "tree_mask": "mask"},
-    "attention": {"q": "float", "req_to_token": "index", "req_pool_indices": "index", "kv_lens": "index",
-                  "q_lens": "index", "tree_mask": "mask"},
-}
-
-OP_OF: dict[str, str] = {method: "attention" if method == "attention_layout" else method for method in TENSOR_ARGS}
-"""The op (a name in ``ngram_hal.backend.OPS``) each method of :data:`TENSOR_ARGS` belongs to."""
-
-# Arguments whose size is tied to another argument's (one entry short -> ContractError naming it).
+    method: {a.name: a.kind for a in args if a.kind in TENSOR_KINDS}
+    for decl in DECLARATIONS for method, args in decl.methods().items()}
 TIED_ARGS: dict[str, tuple[str, ...]] = {
-    "alloc_extend": ("seq_lens", "last_loc"),
-    "assign_req_to_token": ("start", "end"),
-    "gather_cache_locs": ("start", "end"),
-    "store_kv": ("k", "v"),
-    "move_kv": ("dst",),
-    "accepted_kv_moves": ("out_cache_loc", "req_pool_indices", "seq_lens"),
-    "reconstruct_tree": ("seq_lens",),
-    "verify_tree_greedy": ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_predict"),
-    "verify_tree_sample": ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_probs",
-                           "uniform_samples", "uniform_final"),
-    "attention_layout": ("kv_lens", "q_lens", "tree_mask"),
-    "attention": ("q", "kv_lens", "q_lens", "tree_mask"),
-}
+    method: tuple(a.name for a in args if a.tied) for decl in DECLARATIONS for method, args in decl.methods().items()}
+OP_OF: dict[str, str] = {method: decl.name for decl in DECLARATIONS for method in decl.methods()}
+"""The op (a name in ``ngram_hal.backend.OPS``) each method of :data:`TENSOR_ARGS` belongs to."""
 
 
 @dataclass

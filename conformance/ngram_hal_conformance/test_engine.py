@@ -18,8 +18,8 @@ from ngram_hal.engine import Engine, EngineConfig, LlamaConfig, LlamaModel, Samp
 
 from .checks import host
 
-ENGINE_OPS = ["alloc_extend", "assign_req_to_token", "gather_cache_locs", "store_kv", "move_kv",
-              "accepted_kv_moves", "reconstruct_tree", "verify_tree_greedy", "attention"]
+# The ops a greedy decode may call: every op but sampling's verify.
+ENGINE_OPS = [op for op in OPS if op != "verify_tree_sample"]
 # What a speculative greedy decode must call on every backend (a backend whose model kernels store
 # K/V themselves does not call store_kv).
 SPECULATIVE_OPS = {"alloc_extend", "assign_req_to_token", "gather_cache_locs", "move_kv", "accepted_kv_moves",

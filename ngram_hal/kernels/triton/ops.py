@@ -1,29 +1,16 @@
 """``TritonHalOps``: the HAL's ten ops through the portable Triton kernels, for any backend to mix in.
 
 A backend class lists ``TritonHalOps`` before :class:`ngram_hal.Backend` and sets ``launch`` (its
-:class:`LaunchConfig`); each ``_<op>`` then forwards the validated arguments to the kernel module's
-wrapper of the same name, adding ``launch``. Kernel modules are imported on first use, so Triton
-is imported only when an op runs.
+:class:`LaunchConfig`); each ``_<op>`` forwards the validated arguments to the kernel module's
+wrapper of the same name, adding ``launch``. Each imports its kernel module when it first runs,
+so Triton is imported only when an op runs.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar
 
 from .launch import LaunchConfig
-
-
-def _kernel_op(module: str, name: str):
-    """A backend method ``_<name>(self, *args)`` calling ``<module>.<name>(*args, self.launch)``."""
-
-    def op(self, *args):
-        fn = getattr(importlib.import_module(f"{__package__}.{module}"), name)
-        return fn(*args, self.launch)
-
-    op.__name__ = op.__qualname__ = "_" + name
-    op.__doc__ = f"``{name}`` by :func:`ngram_hal.kernels.triton.{module}.{name}`."
-    return op
 
 
 class TritonHalOps:
@@ -32,17 +19,49 @@ class TritonHalOps:
     launch: ClassVar[LaunchConfig] = LaunchConfig()
     batch_invariant: ClassVar[bool] = True
 
-    _alloc_extend = _kernel_op("alloc", "alloc_extend")
-    _assign_req_to_token = _kernel_op("alloc", "assign_req_to_token")
-    _gather_cache_locs = _kernel_op("alloc", "gather_cache_locs")
-    _store_kv = _kernel_op("kv", "store_kv")
-    _move_kv = _kernel_op("kv", "move_kv")
-    _accepted_kv_moves = _kernel_op("kv", "accepted_kv_moves")
-    _reconstruct_tree = _kernel_op("tree", "reconstruct_tree")
-    _verify_tree_greedy = _kernel_op("verify", "verify_tree_greedy")
-    _verify_tree_sample = _kernel_op("verify", "verify_tree_sample")
-    _attention_layout = _kernel_op("attention", "attention_layout")
-    _attention = _kernel_op("attention", "attention")
+    def _alloc_extend(self, *args):
+        from .alloc import alloc_extend
+        return alloc_extend(*args, self.launch)
+
+    def _assign_req_to_token(self, *args):
+        from .alloc import assign_req_to_token
+        return assign_req_to_token(*args, self.launch)
+
+    def _gather_cache_locs(self, *args):
+        from .alloc import gather_cache_locs
+        return gather_cache_locs(*args, self.launch)
+
+    def _store_kv(self, *args):
+        from .kv import store_kv
+        return store_kv(*args, self.launch)
+
+    def _move_kv(self, *args):
+        from .kv import move_kv
+        return move_kv(*args, self.launch)
+
+    def _accepted_kv_moves(self, *args):
+        from .kv import accepted_kv_moves
+        return accepted_kv_moves(*args, self.launch)
+
+    def _reconstruct_tree(self, *args):
+        from .tree import reconstruct_tree
+        return reconstruct_tree(*args, self.launch)
+
+    def _verify_tree_greedy(self, *args):
+        from .verify import verify_tree_greedy
+        return verify_tree_greedy(*args, self.launch)
+
+    def _verify_tree_sample(self, *args):
+        from .verify import verify_tree_sample
+        return verify_tree_sample(*args, self.launch)
+
+    def _attention_layout(self, *args):
+        from .attention import attention_layout
+        return attention_layout(*args, self.launch)
+
+    def _attention(self, *args):
+        from .attention import attention
+        return attention(*args, self.launch)
 
     def layer_kernels(self, config, dtype, batch_invariant=False):
         """The fused Triton model kernels (:class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`)."""

@@ -37,6 +37,7 @@ FAULTS = (
     "wrong source",
     "capabilities lie",
     "formula slip",
+    "narrowed to 32 bits",
 )
 BOTH = ("on", "off")
 MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
@@ -238,6 +239,27 @@ class AssignSkipsSentinelLocs(Mutant):
                 if values[off] != -1:
                     req_to_token[r, col] = values[off]
                 off += 1
+
+
+class AssignNarrowsLocs(Mutant):
+    """Writes each loc through 32 bits (a kernel reading the values as int32): slots past 2**31 wrap."""
+
+    fault, op = "narrowed to 32 bits", "assign_req_to_token"
+    caught_by = ("test_int64.py::test_request_table_keeps_slots_past_2_31",)
+
+    def _assign_req_to_token(self, req_to_token, req_pool_indices, start, end, locs):
+        super()._assign_req_to_token(req_to_token, req_pool_indices, start, end, locs.to(torch.int32).to(torch.int64))
+
+
+class TreePositionsNarrowed(Mutant):
+    """Adds each node's depth to its root's position in 32 bits: positions past 2**31 wrap."""
+
+    fault, op = "narrowed to 32 bits", "reconstruct_tree"
+    caught_by = ("test_int64.py::test_tree_positions_past_2_31",)
+
+    def _reconstruct_tree(self, tree_mask, seq_lens):
+        positions, *links = super()._reconstruct_tree(tree_mask, seq_lens)
+        return (positions.to(torch.int32).to(torch.int64), *links)
 
 
 class AssignWritesBeforeChecking(Mutant):

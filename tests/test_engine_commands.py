@@ -123,7 +123,8 @@ def test_run_compare_as_a_user_runs_it(tmp_path):
     assert req["verify_steps"] >= 1 and isinstance(req["text"], str)
     assert report["same_tokens"] == [True]
     assert report["run"]["totals"]["output_tokens"] == len(req["token_ids"])
-    assert report["setup"]["backend"] == "cpu" and report["setup"]["threads"] == 1 and report["peak_rss_bytes"] > 0
+    backend = "cuda" if torch.cuda.is_available() else "cpu"
+    assert report["setup"]["backend"] == backend and report["setup"]["threads"] == 1 and report["peak_rss_bytes"] > 0
 
 
 def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):

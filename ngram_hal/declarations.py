@@ -47,6 +47,7 @@ class OpDecl:
             implementation is ``_<name>``).
         args: the method's arguments, in order.
         outputs: what it returns, in order (empty: it writes in place).
+        writes: the arguments it writes in place; every other argument is read only.
         summary: what it does, in one line.
         rules: the value rules strict mode checks (reading data, a host sync), in words.
         builder: for an op whose work split is built first (attention), the builder method's
@@ -59,6 +60,7 @@ class OpDecl:
     summary: str
     rules: tuple[str, ...]
     builder: tuple[str, tuple[Arg, ...]] | None = None
+    writes: tuple[str, ...] = ()
 
     def methods(self) -> dict[str, tuple[Arg, ...]]:
         """The public methods of the op (the builder first, where there is one) and their arguments."""
@@ -81,17 +83,18 @@ DECLARATIONS: tuple[OpDecl, ...] = (
     OpDecl("assign_req_to_token",
            _args("req_to_token:index, req_pool_indices:index, start:index=, end:index=, locs:index"),
            (), "in place: req_to_token[r_b, start_b:end_b] = the request's run of locs",
-           (*_ROW_RULES, "len(locs) == sum(end - start)", "requests share a row only with disjoint ranges")),
+           (*_ROW_RULES, "len(locs) == sum(end - start)", "requests share a row only with disjoint ranges"),
+           writes=("req_to_token",)),
     OpDecl("gather_cache_locs",
            _args("req_to_token:index, req_pool_indices:index, start:index=, end:index=, num_tokens:int"),
            ("locs",), "the cells req_to_token[r_b, start_b:end_b], request after request",
            (*_ROW_RULES, "num_tokens == sum(end - start)")),
     OpDecl("store_kv", _args("kv:kv, layer:int, locs:index, k:float=, v:float="),
            (), "in place: one layer's K/V rows at locs (-1 skipped)",
-           ("layer in [0, L)", "locs in [0, S) or -1", "locs distinct")),
+           ("layer in [0, L)", "locs in [0, S) or -1", "locs distinct"), writes=("kv",)),
     OpDecl("move_kv", _args("kv:kv, src:index, dst:index="),
            (), "in place, every layer: row[dst[i]] = row[src[i]], every read before any write",
-           ("src and dst in [0, S) or -1", "dst distinct where both sides are live")),
+           ("src and dst in [0, S) or -1", "dst distinct where both sides are live"), writes=("kv",)),
     OpDecl("accepted_kv_moves",
            _args("out_cache_loc:index=, accept_index:index, req_to_token:index, req_pool_indices:index=, "
                  "seq_lens:index="),
@@ -133,7 +136,8 @@ def ops_markdown() -> str:
     """The op reference (``docs/ops.md``), made from :data:`DECLARATIONS`."""
     lines = ["# The HAL's ops", "",
              "Made from `ngram_hal/declarations.py` by `make docs-ops`; `Backend`'s docstrings give the shapes.",
-             "A tied argument (`=`) must match the size of the tensors before it.", "",
+             "A tied argument (`=`) must match the size of the tensors before it. An op writes only the",
+             "arguments its row names; every other argument is read only (the contract tier checks it).", "",
              "| op | arguments | returns | strict value rules |", "|---|---|---|---|"]
     for decl in DECLARATIONS:
         for method, args in decl.methods().items():
@@ -141,6 +145,6 @@ def ops_markdown() -> str:
             if method != decl.name:
                 lines.append(f"| `{method}` | {listed} | the layout `{decl.name}` reads | |")
                 continue
-            returns = ", ".join(f"`{o}`" for o in decl.outputs) or "nothing (in place)"
+            returns = ", ".join(f"`{o}`" for o in decl.outputs) or f"nothing (writes `{', '.join(decl.writes)}`)"
             lines.append(f"| `{method}`: {decl.summary} | {listed} | {returns} | {'; '.join(decl.rules)} |")
     return "\n".join(lines) + "\n"

@@ -38,6 +38,7 @@ FAULTS = (
     "capabilities lie",
     "formula slip",
     "narrowed to 32 bits",
+    "an input used as scratch",
 )
 BOTH = ("on", "off")
 MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
@@ -260,6 +261,20 @@ class TreePositionsNarrowed(Mutant):
     def _reconstruct_tree(self, tree_mask, seq_lens):
         positions, *links = super()._reconstruct_tree(tree_mask, seq_lens)
         return (positions.to(torch.int32).to(torch.int64), *links)
+
+
+class VerifyUsesTargetAsScratch(Mutant):
+    """Greedy verify leaves its walk's marks in ``target_predict`` (an input reused as a buffer)."""
+
+    fault, op = "an input used as scratch", "verify_tree_greedy"
+    caught_by = ("test_contract.py::test_inputs_are_read_only[verify_tree_greedy]",)
+
+    def _verify_tree_greedy(self, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                            target_predict):
+        out = super()._verify_tree_greedy(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                                          target_predict)
+        target_predict.fill_(-1)
+        return out
 
 
 class AssignWritesBeforeChecking(Mutant):

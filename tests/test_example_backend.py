@@ -52,7 +52,9 @@ def test_passes_the_conformance_suite(installed, tmp_path):
     assert report["proxy"] is False and report["capabilities"]["ops"] == IMPLEMENTED
     passed_ops = {op for t in report["tests"] if t["outcome"] == "passed" for op in (t["op"] or "").split(",")}
     assert set(IMPLEMENTED) <= passed_ops
-    skipped = {t["message"] for t in report["tests"] if t["outcome"] == "skipped"}
+    # The int64 tests that need a cache past 2**31 elements per layer run only on an accelerator.
+    skipped = {t["message"] for t in report["tests"] if t["outcome"] == "skipped"
+               and not t["message"].startswith("a cache past 2**31 elements")}
     assert skipped <= {"op 'verify_tree_sample' is not implemented by backend 'numpy'",
                        "op 'attention' is not implemented by backend 'numpy'",
                        "value checks run only with strict=True", "value checks run only in strict mode"}

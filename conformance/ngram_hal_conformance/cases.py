@@ -27,6 +27,8 @@ TENSOR_ARGS: dict[str, dict[str, str]] = {
 TIED_ARGS: dict[str, tuple[str, ...]] = {
     method: tuple(a.name for a in args if a.tied) for decl in DECLARATIONS for method, args in decl.methods().items()}
 OP_OF: dict[str, str] = {method: decl.name for decl in DECLARATIONS for method in decl.methods()}
+WRITES: dict[str, tuple[str, ...]] = {decl.name: decl.writes for decl in DECLARATIONS}
+"""The arguments each op writes in place (every other one is read only)."""
 """The op (a name in ``ngram_hal.backend.OPS``) each method of :data:`TENSOR_ARGS` belongs to."""
 
 

@@ -157,6 +157,20 @@ def test_in_place_ops_return_none(backend, device, op):
     assert cases.minimal(op, device, backend).run(backend) is None, f"{op} must return None"
 
 
+@conformance(tier="contract")
+@pytest.mark.parametrize("method", [pytest.param(m, marks=conformance(op=cases.OP_OF[m])) for m in cases.TENSOR_ARGS])
+def test_inputs_are_read_only(backend, device, method):
+    """A valid call leaves every argument its op does not write (``writes`` in the op's
+    declaration) bit for bit as it was: no input doubles as scratch."""
+    call = cases.minimal(method, device, backend)
+    written = cases.WRITES[call.op] if method == call.op else ()
+    kept = {name: t for name, t in call.state().items() if name.split(".")[0] not in written}
+    before = snapshot(kept)
+    call.run(backend)
+    kv = call.args.get("kv")
+    assert_unchanged(before, kept, f"{method} (a valid call)", getattr(kv, "num_slots", None))
+
+
 @conformance(tier="contract", op="gather_cache_locs")
 def test_gather_cache_locs_without_count(backend, device):
     """num_tokens may be omitted (the op then derives it, a host sync)."""

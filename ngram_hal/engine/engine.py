@@ -40,7 +40,7 @@ structure but nothing actually runs concurrently.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -84,7 +84,7 @@ class Engine:
     """
 
     def __init__(self, model: LlamaModel, tokenizer: TokenDecoder | None = None,
-                 config: EngineConfig | None = None, drafter: type[Drafter] | None = None,
+                 config: EngineConfig | None = None, drafter: Callable[[], Drafter] | None = None,
                  eos_token_ids: Sequence[int] | None = None):
         self.config = cfg = config or EngineConfig()
         self.model, self.backend, self.tokenizer = model, model.backend, tokenizer

@@ -186,7 +186,7 @@ def test_engine_drafts_with_the_triton_kernel_and_stays_exact():
                                                   max_context_len=64, graphs=False))
         outs[drafter] = [o.token_ids for o in engine.generate(prompts, params)]
         if drafter == "device":
-            assert engine.drafts.lookup._kernel is lookup.record_and_draft
+            assert engine.drafts.lookup.kernel is lookup.record_and_draft
             accepted = engine.stats.tokens_per_step
     assert outs["device"] == outs["trie"]
     assert accepted > 1.0, "the prompts must accept drafts for this test to cover speculation"

@@ -408,8 +408,9 @@ def test_bad_requests_raise_and_change_nothing(model):
     {"params": "greedy"}, {"params": SamplingParams(stop_token_ids=(VOCAB,))}],
     ids=["none-prompt", "int-prompt", "float-token", "dict-params", "str-params", "stop-id-outside"])
 def test_any_bad_argument_is_a_value_error_and_admits_nothing(model, bad):
+    """A refused request changes nothing: no request is left in the engine, no slot is taken and
+    no seed is drawn (the next unseeded sampled requests get what a fresh engine gives them)."""
     engine = make(model, spec_nodes=4)
-    seeds = engine._seeds.get_state()
     request = {"prompt": [1, 2], "params": None, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         engine.add_request(request["prompt"], request["params"])
@@ -421,9 +422,11 @@ def test_any_bad_argument_is_a_value_error_and_admits_nothing(model, bad):
     params = [good, request["params"], good]
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         engine.generate(prompts, params)
-    assert not engine.has_unfinished() and not engine.sched.waiting and not engine._requests
-    assert torch.equal(engine._seeds.get_state(), seeds)
+    assert not engine.has_unfinished() and not engine.sched.waiting
     assert_all_free(engine)
+    after = engine.generate([[1, 2], [3, 4]], good)
+    fresh = make(model, spec_nodes=4).generate([[1, 2], [3, 4]], good)
+    assert [o.token_ids for o in after] == [o.token_ids for o in fresh], "a refused request drew a seed"
 
 
 def test_bad_prompt_lists_and_params_lists_raise(model):

@@ -114,6 +114,9 @@ class DeviceDrafter:
             positions.
         num_nodes: D, the longest chain a step takes from :attr:`next_chains`.
         max_ngram, min_ngram: the longest and shortest suffix matched.
+
+    Attributes:
+        kernel: the record-and-draft implementation it runs (the backend's, or :func:`record_and_draft`).
     """
 
     def __init__(self, backend: Backend, num_rows: int, width: int, num_nodes: int = 1, max_ngram: int = 8,
@@ -129,7 +132,7 @@ class DeviceDrafter:
         self.device = backend.device
         self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
         self.next_chains = torch.zeros((num_rows, num_nodes), dtype=torch.int64, device=self.device)
-        self._kernel = backend.lookup_kernel()
+        self.kernel = backend.lookup_kernel() or record_and_draft
         self._chains: dict[int, torch.Tensor] = {}
 
     def add_prompts(self, rows: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -163,8 +166,7 @@ class DeviceDrafter:
 
         The implementation checks the arguments (:func:`check_record_and_draft`).
         """
-        impl = self._kernel or record_and_draft
-        return impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, num_nodes,
+        return self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, num_nodes,
                     self.max_ngram, self.min_ngram)
 
     def draft_next(self, rows: torch.Tensor, relay: OverlapRelay, live: torch.Tensor | None = None) -> None:
@@ -181,8 +183,7 @@ class DeviceDrafter:
         if B > self.next_chains.shape[0]:
             raise c.ContractError("DeviceDrafter.draft_next", "rows",
                                   f"{B} requests exceed the {self.next_chains.shape[0]} rows of next_chains")
-        impl = self._kernel or record_and_draft
-        impl(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.num_nodes,
+        self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.num_nodes,
              self.max_ngram, self.min_ngram, live, self.next_chains[:B].view(-1))
 
     def chains_ahead(self, batch_size: int, num_nodes: int) -> torch.Tensor:

@@ -151,7 +151,7 @@ def test_attention_output(backend, device):
 
 @conformance(tier="contract")
 @pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op))
-                                for op in ("assign_req_to_token", "store_kv", "move_kv")])
+                                for op, written in cases.WRITES.items() if written])
 def test_in_place_ops_return_none(backend, device, op):
     """The ops that write in place return nothing."""
     assert cases.minimal(op, device, backend).run(backend) is None, f"{op} must return None"

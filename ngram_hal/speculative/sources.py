@@ -62,6 +62,7 @@ class DraftSource:
 
     ahead: ClassVar[bool] = False
     graph_drafter: DeviceDrafter | None = None
+    _ones: torch.Tensor | None = None  # the plain steps' masks, bool[R, 1, 1], read only
 
     @property
     def busy(self) -> bool:
@@ -93,18 +94,19 @@ class DraftSource:
         """The trees of ``nodes`` nodes (as :meth:`plan` returned) for the relay's requests, whose
         request-pool rows are ``rows`` int64[B]; ``score_plain``: a plain step also wants each
         request's first draft (:attr:`Trees.guess`) where the source has it for free."""
-        return roots(relay)
+        return self.roots(relay)
+
+    def roots(self, relay: OverlapRelay) -> Trees:
+        """Plain trees: each request's last committed token alone (masks sliced from one kept
+        tensor, not made every step)."""
+        B = relay.batch_size
+        if self._ones is None or self._ones.shape[0] < B or self._ones.device != relay.device:
+            self._ones = torch.ones((max(B, 1), 1, 1), dtype=torch.bool, device=relay.device)
+        return Trees(relay.last_tokens().contiguous(), self._ones[:B], 1, [0] * B)
 
     def stepped(self, rows: torch.Tensor, relay: OverlapRelay, captured: bool) -> None:
         """The verify step of the requests in ``rows`` was enqueued and gave ``relay``;
         ``captured``: it was a captured greedy step (which drafts with :attr:`graph_drafter`)."""
-
-
-def roots(relay: OverlapRelay) -> Trees:
-    """Plain trees: each request's last committed token alone."""
-    B = relay.batch_size
-    return Trees(relay.last_tokens().contiguous(), torch.ones((B, 1, 1), dtype=torch.bool, device=relay.device),
-                 1, [0] * B)
 
 
 class HostDrafts(DraftSource):
@@ -158,7 +160,7 @@ class HostDrafts(DraftSource):
     def trees(self, relay, rows, nodes: int, score_plain: bool) -> Trees:
         draft, self._draft = self._draft, None
         if nodes == 1:
-            return roots(relay)
+            return self.roots(relay)
         B = relay.batch_size
         drafts = self._upload(draft.tokens.view(B, -1)[:, 1:nodes].contiguous())
         tokens = torch.cat([relay.last_tokens().unsqueeze(1), drafts], dim=1).view(-1)

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .backend import OPS
 
 SCHEMA = "ngram-hal-conformance/1"
-TIERS = ("registration", "contract", "semantics", "model", "engine", "performance")
+TIERS = ("registration", "contract", "semantics", "scale", "edge", "model", "engine", "performance")
+"""The conformance tiers in the order a backend clears them (the suite's `ngram_hal_conformance.TIERS`)."""
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
 NOT_RUN = "not run"
 
@@ -55,9 +56,39 @@ class Report(BaseModel):
     proxy: bool | None = None
     versions: dict[str, Any] = {}
     device: str | None = None
+    device_name: str | None = None
+    hardware: dict[str, Any] | None = None
+    sanitizer: dict[str, Any] | None = None
     summary: dict[str, int] = {}
     tests: list[TestResult]
     created: str | None = None
+
+
+def hardware_text(report: Report) -> str:
+    """The device a run used, in words: ``"NVIDIA H200, sm_90, 140 GiB, 132 SMs, cuda 13.0"``
+    (what the report knows of it; its device name alone for an older report; ``""`` for none)."""
+    hw = report.hardware or {}
+    memory = hw.get("memory_bytes")
+    parts = [hw.get("name") or report.device_name, hw.get("architecture"),
+             f"{memory / 2**30:.0f} GiB" if memory else None,
+             f"{hw['multiprocessors']} {'CPUs' if report.device == 'cpu' else 'SMs'}" if hw.get("multiprocessors") else None,
+             hw.get("runtime")]
+    return ", ".join(str(p) for p in parts if p)
+
+
+def column_header(column: "Column") -> str:
+    """A column's header in the markdown test table: its label, then its hardware after a line break."""
+    hardware = hardware_text(column.report)
+    return column.label + (f"<br>{hardware}" if hardware else "")
+
+
+def sanitizer_text(report: Report) -> str:
+    """``"memcheck: 0 errors"`` for a run under compute-sanitizer, ``""`` otherwise."""
+    found = report.sanitizer
+    if not found:
+        return ""
+    errors = found.get("errors")
+    return f"{found.get('tool')}: " + (f"{errors} errors" if errors is not None else "no error summary")
 
 
 def load_report(path: str | Path) -> Report:
@@ -116,7 +147,8 @@ class Matrix:
 
 
 def _labels(reports: list[Report]) -> list[str]:
-    base = [r.backend + (" (proxy)" if r.proxy else "") for r in reports]
+    base = [r.backend + (" (proxy)" if r.proxy else "") + (f" under {r.sanitizer.get('tool')}" if r.sanitizer else "")
+            for r in reports]
     labels = [b if base.count(b) == 1 else f"{b} [{r.device}]" for b, r in zip(base, reports, strict=True)]
     seen: Counter = Counter()
     out = []
@@ -184,13 +216,15 @@ def to_markdown(matrix: Matrix) -> str:
     """The matrix as GitHub-flavoured markdown: a table of runs, the test table, then failures."""
     ids = matrix.test_ids
     lines = ["# ngram-hal conformance matrix", "",
-             "| backend | device | proxy | torch | package | tests |", "|---|---|---|---|---|---|"]
+             "| backend | device | hardware | proxy | torch | driver | package | sanitizer | tests |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for col in matrix.columns:
         r = col.report
-        fields = [col.label, r.device or "?", "yes" if r.proxy else "no", _version(r, "torch"),
-                  _version(r, "backend_package"), summary_text(col.counts(ids))]
+        fields = [col.label, r.device or "?", hardware_text(r) or "?", "yes" if r.proxy else "no", _version(r, "torch"),
+                  _version(r, "driver"), _version(r, "backend_package"), sanitizer_text(r) or "-",
+                  summary_text(col.counts(ids))]
         lines.append("| " + " | ".join(_md(f) for f in fields) + " |")
-    header = ["tier", "op", "test"] + [_md(c.label) for c in matrix.columns]
+    header = ["tier", "op", "test"] + [_md(column_header(c)) for c in matrix.columns]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     failures = []
     for row in matrix.rows:
@@ -261,17 +295,20 @@ def to_html(matrix: Matrix, title: str = "ngram-hal conformance matrix") -> str:
            f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
            '<p class="legend">' + "".join(f'<span class="{_cls(o)}">{e(o)}</span>' for o in (*OUTCOMES, NOT_RUN))
            + "</p>",
-           "<table><thead><tr><th>backend</th><th>device</th><th>proxy</th><th>versions</th><th>created</th>"
-           "<th>tests</th></tr></thead><tbody>"]
+           "<table><thead><tr><th>backend</th><th>device</th><th>hardware</th><th>proxy</th><th>versions</th>"
+           "<th>sanitizer</th><th>created</th><th>tests</th></tr></thead><tbody>"]
     for col in matrix.columns:
         r = col.report
         versions = ", ".join(f"{k} {v}" for k, v in r.versions.items() if v)
-        fields = [col.label, r.device or "?", "yes" if r.proxy else "no", versions]
+        fields = [col.label, r.device or "?", hardware_text(r) or "?", "yes" if r.proxy else "no", versions,
+                  sanitizer_text(r) or "-"]
         out.append("<tr>" + "".join(f"<td>{e(f)}</td>" for f in fields)
                    + f'<td class="nowrap">{e(r.created or "")}</td><td>{e(summary_text(col.counts(ids)))}</td></tr>')
     out.append("</tbody></table>")
     out.append("<table><thead><tr><th>op</th><th>test</th>"
-               + "".join(f"<th>{e(c.label)}</th>" for c in matrix.columns) + "</tr></thead><tbody>")
+               + "".join(f"<th>{e(c.label)}" + (f'<br><span class="t">{e(hardware_text(c.report))}</span>'
+                                                  if hardware_text(c.report) else "") + "</th>"
+                         for c in matrix.columns) + "</tr></thead><tbody>")
     width = 2 + len(matrix.columns)
     for tier, tier_rows in groupby(matrix.rows, key=lambda r: r.tier):
         out.append(f'<tr class="tier"><th colspan="{width}">{e(tier or "(no tier)")}</th></tr>')

@@ -10,6 +10,7 @@ no graph capture.
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 
 import torch
@@ -68,6 +69,32 @@ class Runtime:
             return platform.processor() or platform.machine()
         get = getattr(self._module, "get_device_name", None)
         return get(self.device) if callable(get) else self.device.type
+
+    def hardware(self) -> dict[str, str | int | None]:
+        """What the device is, for reports: ``name`` (:attr:`device_name`), ``architecture``
+        (``"sm_90"`` for CUDA, the ``gcnArchName`` for ROCm, the machine type on the CPU),
+        ``memory_bytes`` (device memory; the host's physical memory on the CPU),
+        ``multiprocessors`` (streaming multiprocessors or compute units; logical CPUs on the
+        CPU) and ``runtime`` (``"cuda 13.0"``, ``"hip 6.2"``; None on the CPU). A field the
+        device module does not give is None."""
+        if self._host:
+            try:
+                memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                memory = None
+            return {"name": self.device_name, "architecture": platform.machine() or None, "memory_bytes": memory,
+                    "multiprocessors": os.cpu_count(), "runtime": None}
+        get = getattr(self._module, "get_device_properties", None)
+        props = get(self.device) if callable(get) else None
+        hip, cuda = getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None)
+        # CUDA builds of torch fill gcnArchName with the device's name: read it on ROCm only.
+        arch = getattr(props, "gcnArchName", None) if hip else None
+        if not arch and getattr(props, "major", None) is not None:
+            arch = f"sm_{props.major}{props.minor}"
+        runtime = f"hip {hip}" if hip else f"cuda {cuda}" if cuda and self.device.type == "cuda" else None
+        return {"name": self.device_name, "architecture": arch or None,
+                "memory_bytes": getattr(props, "total_memory", None),
+                "multiprocessors": getattr(props, "multi_processor_count", None), "runtime": runtime}
 
     @property
     def is_host(self) -> bool:

@@ -11,6 +11,8 @@ on the host: they are test doubles, not backends.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ngram_hal.backend import OPS
@@ -39,6 +41,12 @@ FAULTS = (
     "formula slip",
     "narrowed to 32 bits",
     "an input used as scratch",
+    "stops short at scale",
+    "subnormals flushed",
+    "signed zero lost",
+    "softmax overflow",
+    "half-precision accumulation",
+    "wrong layer read",
 )
 BOTH = ("on", "off")
 MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
@@ -225,6 +233,18 @@ class AllocPartialPageOverrun(Mutant):
         return _alloc_loop(prefix_lens, seq_lens, last_loc, free_pages, page_size, opens_page)
 
 
+class AllocClampsNegativePrefix(Mutant):
+    """Clamps negative prefix lengths to 0 instead of refusing them."""
+
+    fault, op = "silent repair of bad input", "alloc_extend"
+    caught_by = ("test_strict.py::test_alloc_extend_negative_prefix",)
+    modes = ("on",)
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc, free_pages, page_size, num_new_tokens):
+        fixed = prefix_lens.clamp(min=0) if isinstance(prefix_lens, torch.Tensor) else prefix_lens
+        return super().alloc_extend(fixed, seq_lens, last_loc, free_pages, page_size, num_new_tokens)
+
+
 # ---------------------------------------------------------------- assign_req_to_token, gather_cache_locs
 
 class AssignSkipsSentinelLocs(Mutant):
@@ -292,6 +312,19 @@ class AssignWritesBeforeChecking(Mutant):
                     req_to_token[r, col] = int(values[off])
                 off += 1
         super().assign_req_to_token(req_to_token, req_pool_indices, start, end, locs)
+
+
+class GatherOrdersItsRange(Mutant):
+    """Swaps ``start`` and ``end`` where ``end < start`` instead of refusing the range."""
+
+    fault, op = "silent repair of bad input", "gather_cache_locs"
+    caught_by = ("test_strict.py::test_req_range_ends_before_it_starts[gather_cache_locs]",)
+    modes = ("on",)
+
+    def gather_cache_locs(self, req_to_token, req_pool_indices, start, end, num_tokens=None):
+        if isinstance(start, torch.Tensor) and isinstance(end, torch.Tensor) and start.shape == end.shape:
+            start, end = torch.minimum(start, end), torch.maximum(start, end)
+        return super().gather_cache_locs(req_to_token, req_pool_indices, start, end, num_tokens)
 
 
 class GatherInt32Locs(Mutant):
@@ -389,6 +422,18 @@ class StoreChecksValuesAfterWriting(Mutant):
         super().store_kv(kv, layer, locs, k, v)
 
 
+class StoreFlushesSubnormals(Mutant):
+    """Writes subnormal values as zero (a conversion with flush-to-zero on the way to the cache)."""
+
+    fault, op = "subnormals flushed", "store_kv"
+    caught_by = tuple(f"test_edge.py::test_store_kv_keeps_special_values[{d}]" for d in ("float32", "float16"))
+
+    def _store_kv(self, kv, layer, locs, k, v):
+        tiny = torch.finfo(kv.dtype).tiny
+        k, v = (torch.where(x.abs() < tiny, torch.zeros_like(x), x) for x in (k, v))
+        super()._store_kv(kv, layer, locs, k, v)
+
+
 # ---------------------------------------------------------------- move_kv
 
 class MoveSequential(Mutant):
@@ -458,6 +503,29 @@ class MoveReadsSentinelSource(Mutant):
                               cache.index_select(1, torch.where(skip, kv.num_slots, src % rows)))
 
 
+class MoveFirst512Only(Mutant):
+    """Moves the first 512 pairs only (one launch of a fixed 512-wide block, no grid over the rest)."""
+
+    fault, op = "stops short at scale", "move_kv"
+    caught_by = tuple(f"test_scale.py::test_move_kv_at_scale[{n}-{p}]" for n in (513, 2048) for p in ("random", "chain"))
+
+    def _move_kv(self, kv, src, dst):
+        super()._move_kv(kv, src[:512], dst[:512])
+
+
+class MoveLosesSignedZero(Mutant):
+    """Copies rows through an addition of +0.0, which turns -0.0 into +0.0."""
+
+    fault, op = "signed zero lost", "move_kv"
+    caught_by = tuple(f"test_edge.py::test_move_kv_keeps_special_values[{d}]" for d in ("float32", "bfloat16"))
+
+    def _move_kv(self, kv, src, dst):
+        for cache in (kv.k, kv.v):
+            skip = (src == -1) | (dst == -1) | (src == dst)
+            rows = cache.index_select(1, torch.where(skip, kv.num_slots, src)) + 0.0
+            cache.index_copy_(1, torch.where(skip, kv.num_slots, dst), rows)
+
+
 class MoveStaleCapabilities(Mutant):
     """move_kv is missing, yet capabilities() lists every op (a hand-written list)."""
 
@@ -525,6 +593,20 @@ class AcceptedClampsForeignIndex(Mutant):
         return super().accepted_kv_moves(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
 
 
+class AcceptedClampsSeqLens(Mutant):
+    """Clamps seq_lens into the rows (0 .. M - D) instead of refusing a tree that does not fit."""
+
+    fault, op = "silent repair of bad input", "accepted_kv_moves"
+    caught_by = tuple(f"test_strict.py::test_accepted_kv_moves_bad_rows_and_lengths[{case}]"
+                      for case in ("seq_len_past_the_row", "negative_seq_len"))
+    modes = ("on",)
+
+    def accepted_kv_moves(self, out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens):
+        if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (accept_index, req_to_token)):
+            seq_lens = seq_lens.clamp(0, max(req_to_token.shape[1] - accept_index.shape[1], 0))
+        return super().accepted_kv_moves(out_cache_loc, accept_index, req_to_token, req_pool_indices, seq_lens)
+
+
 # ---------------------------------------------------------------- reconstruct_tree
 
 class TreeInt32Positions(Mutant):
@@ -569,6 +651,33 @@ class TreeSiblingsAssumedAdjacent(Mutant):
             same = parent[:, 2:] == parent[:, 1:-1]
             sibling[:, 1:-1] = torch.where(same, node[2:], -1)
         return positions, index, first, sibling
+
+
+class TreeAncestry32Bit(Mutant):
+    """Keeps each node's ancestors in a 32-bit mask: ancestors past node 31 are lost, so deep
+    nodes of trees of more than 32 nodes get wrong depths and parents."""
+
+    fault, op = "stops short at scale", "reconstruct_tree"
+    caught_by = ("test_scale.py::test_reconstruct_tree_at_scale[64]",)
+
+    def _reconstruct_tree(self, tree_mask, seq_lens):
+        D = tree_mask.shape[-1]
+        kept = tree_mask.clone()
+        kept[:, :, 32:] = False
+        kept |= torch.eye(D, dtype=torch.bool, device=tree_mask.device)
+        return super()._reconstruct_tree(kept, seq_lens)
+
+
+class TreeClearsMaskDiagonal(Mutant):
+    """Clears the tree mask's diagonal in place after reading it (the mask doubles as scratch)."""
+
+    fault, op = "an input used as scratch", "reconstruct_tree"
+    caught_by = ("test_contract.py::test_inputs_are_read_only[reconstruct_tree]",)
+
+    def _reconstruct_tree(self, tree_mask, seq_lens):
+        out = super()._reconstruct_tree(tree_mask, seq_lens)
+        tree_mask.diagonal(dim1=1, dim2=2).fill_(False)
+        return out
 
 
 # ---------------------------------------------------------------- verify_tree_greedy
@@ -633,6 +742,22 @@ class GreedyLastMatchingSibling(Mutant):
     def _verify_tree_greedy(self, candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
                             target_predict):
         return greedy_walk(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, last_match=True)
+
+
+class GreedyWalkCapped32(Mutant):
+    """Walks at most 32 nodes deep (a loop of fixed trip count): a longer accepted path is cut."""
+
+    fault, op = "stops short at scale", "verify_tree_greedy"
+    caught_by = ("test_scale.py::test_verify_tree_greedy_at_scale[33]", "test_scale.py::test_verify_tree_greedy_at_scale[64]")
+
+    def _verify_tree_greedy(self, *args):
+        predicts, accept_index, accept_len = super()._verify_tree_greedy(*args)
+        cut = accept_index[:, 32:]
+        dropped = cut[cut >= 0]
+        predicts = predicts.index_fill(0, dropped, 0)
+        accept_index = accept_index.clone()
+        accept_index[:, 32:] = -1
+        return predicts, accept_index, accept_len.clamp(max=32)
 
 
 class GreedyRepairsLayout(Mutant):
@@ -783,6 +908,81 @@ class AttentionRepairsIndices(Mutant):
         fix = [t.contiguous() if isinstance(t, torch.Tensor) else t
                for t in (req_to_token, req_pool_indices, kv_lens, q_lens, tree_mask)]
         return super().attention_layout(*fix[:4], num_queries, fix[4], max_kv_len)
+
+
+def dense_naive(q, kv, layer, layout, sm_scale, subtract_max: bool = True, score_dtype=torch.float32):
+    """Attention request by request from the layout's raw tensors, the scores in ``score_dtype``
+    (the dot products accumulate there) and, unless ``subtract_max``, exponentiated as they are."""
+    out = torch.zeros_like(q, dtype=torch.float32)
+    table, pool = layout.req_to_token.tolist(), layout.req_pool_indices.tolist()
+    off, g = 0, q.shape[1] // kv.num_heads
+    for b, (T, n) in enumerate(zip(layout.kv_lens.tolist(), layout.q_lens.tolist())):
+        rows = _index(table[pool[b]][:T], q)
+        k = kv.k[layer].index_select(0, rows).repeat_interleave(g, dim=1)
+        v = kv.v[layer].index_select(0, rows).repeat_interleave(g, dim=1).float()
+        scores = torch.einsum("nhd,thd->hnt", q[off:off + n].to(score_dtype), k.to(score_dtype)).float() * sm_scale
+        visible = torch.ones(n, T, dtype=torch.bool, device=q.device)
+        if layout.tree_mask is not None:
+            visible[:, T - n:] = layout.tree_mask[b]
+        else:
+            visible[:, T - n:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if subtract_max:
+            scores = scores - scores.masked_fill(~visible, -torch.inf).amax(-1, keepdim=True)
+        weights = scores.exp().masked_fill(~visible, 0.0)
+        out[off:off + n] = torch.einsum("hnt,thd->nhd", weights / weights.sum(-1, keepdim=True), v)
+        off += n
+    return out.to(q.dtype)
+
+
+class AttentionNoMaxSubtraction(Mutant):
+    """Exponentiates the scores without subtracting their maximum: exp overflows past 88.7."""
+
+    fault, op = "softmax overflow", "attention"
+    caught_by = tuple(f"test_edge.py::test_attention_scores_past_exp_overflow[{d}-{m}]"
+                      for d in ("float32", "bfloat16") for m in ("causal", "tree"))
+    control = "test_attention.py::test_decode[hq4-h2]"
+
+    def _attention(self, q, kv, layer, layout, sm_scale):
+        return dense_naive(q, kv, layer, layout, sm_scale, subtract_max=False)
+
+
+class AttentionHalfPrecisionScores(Mutant):
+    """Accumulates the query-key dot products in the input dtype: float16 scores overflow."""
+
+    fault, op = "half-precision accumulation", "attention"
+    caught_by = tuple(f"test_edge.py::test_attention_dot_products_past_the_dtype[float16-{m}]"
+                      for m in ("causal", "tree"))
+    control = "test_attention.py::test_decode[hq4-h2]"
+
+    def _attention(self, q, kv, layer, layout, sm_scale):
+        return dense_naive(q, kv, layer, layout, sm_scale, score_dtype=q.dtype)
+
+
+class AttentionFirstKeyTile(Mutant):
+    """Reads only each request's first 256 keys (one key tile, no loop over the rest)."""
+
+    fault, op = "stops short at scale", "attention"
+    caught_by = tuple(f"test_scale.py::test_attention_long_context[{n}-{m}]" for n in (300, 1100)
+                      for m in ("causal", "tree"))
+
+    def _attention_layout(self, layout):
+        plan = super()._attention_layout(layout)
+        if plan is not None:
+            plan.slots[:, 256:] = -1
+        return plan
+
+
+class AttentionKFromVInLayerZero(Mutant):
+    """Reads layer 0's keys from the V cache (one layer's K pointer set to V's)."""
+
+    fault, op = "wrong layer read", "attention"
+    caught_by = ("test_scale.py::test_attention_reads_every_layer",)
+
+    def _attention(self, q, kv, layer, layout, sm_scale):
+        if layer == 0:
+            kv = copy.copy(kv)
+            kv.k = kv.v
+        return super()._attention(q, kv, layer, layout, sm_scale)
 
 
 # ---------------------------------------------------------------- model kernels

@@ -149,3 +149,20 @@ def test_debug_keeps_the_exit_code_of_other_failures(capsys, monkeypatch):
     args.debug = True
     assert report_errors(mistaken, args) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "error: --x 1: at most 0"
+
+
+@pytest.mark.parametrize("tool_on_path", [False, True], ids=["not-installed", "cpu-backend"])
+def test_sanitizer_needs_the_tool_and_an_nvidia_gpu(tool_on_path, tmp_path, capsys, monkeypatch):
+    """--sanitizer refuses in one line where compute-sanitizer is not on PATH, and for a backend
+    that does not run on an NVIDIA GPU (here an executable of that name stands in for the tool:
+    the backend check comes before it would run)."""
+    if tool_on_path:
+        tool = tmp_path / "compute-sanitizer"
+        tool.write_text("#!/bin/sh\nexit 1\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}")
+    code = main(["conformance", "--backend", "cpu", "--sanitizer", "memcheck"])
+    captured = capsys.readouterr()
+    message = (r"--sanitizer memcheck: compute-sanitizer checks NVIDIA GPUs; backend 'cpu' runs on cpu" if tool_on_path
+               else r"--sanitizer memcheck: compute-sanitizer is not on PATH")
+    check_one_error_line(code, captured.out, captured.err, message)

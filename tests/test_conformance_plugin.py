@@ -53,6 +53,33 @@ def test_reference_backend_passes(tmp_path, monkeypatch):
     assert report["versions"]["backend_package"].startswith("ngram-hal==")
     assert report["capabilities"]["name"] == "cpu" and report["proxy"] is False
     assert report["device"] == "cpu" and report["device_name"] == CpuBackend().runtime.device_name != ""
+    hardware = report["hardware"]
+    assert hardware["name"] == report["device_name"] and hardware["memory_bytes"] > 2**30
+    assert hardware["multiprocessors"] == os.cpu_count() and hardware["runtime"] is None
+    assert report["scale"] == "reduced" and report["sanitizer"] is None
+
+
+def test_tiers_option_runs_only_those_tiers(tmp_path, monkeypatch):
+    rc, report = run_suite(tmp_path, monkeypatch, "cpu", "--strict-mode", "off", "--tiers", "edge",
+                           modules=("ngram_hal_conformance.test_edge", "ngram_hal_conformance.test_kv"))
+    assert rc == pytest.ExitCode.OK, failures(report)
+    assert {t["tier"] for t in report["tests"]} == {"edge"} and len(report["tests"]) >= 10
+
+
+def test_unknown_tier_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    rc, _ = run_suite(tmp_path, monkeypatch, "cpu", "--tiers", "contract,speed")
+    assert rc == pytest.ExitCode.USAGE_ERROR
+    assert "--tiers 'contract,speed': speed is not one of registration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale", ["reduced", "full"])
+def test_scale_option_picks_the_sizes(tmp_path, monkeypatch, scale):
+    rc, report = run_suite(tmp_path, monkeypatch, "cpu", "--strict-mode", "off", "--scale", scale, "-k",
+                           "test_move_kv_at_scale and 16384 and cycle", modules=("ngram_hal_conformance.test_scale",))
+    assert rc == pytest.ExitCode.OK, failures(report)
+    (test,) = report["tests"]
+    assert report["scale"] == scale
+    assert test["outcome"] == ("passed" if scale == "full" else "skipped")
 
 
 def test_xfails_file_marks_known_failures(tmp_path, monkeypatch):
@@ -157,3 +184,23 @@ def test_thirdparty_backend_by_entry_point(tmp_path, monkeypatch):
     assert got["test_alloc.py::test_alloc_extend_matches[strict-off]"] == "skipped"
     reasons = {t["message"] for t in report["tests"] if t["outcome"] == "skipped" and t["op"] == "attention"}
     assert reasons == {"op 'attention' is not implemented by backend 'toy'"}
+
+
+def test_sanitizer_log_gives_the_error_count_and_the_first_reports(tmp_path):
+    from ngram_hal.cli import sanitizer
+
+    log = tmp_path / "sanitizer.log"
+    log.write_text("========= COMPUTE-SANITIZER\n"
+                   "========= Invalid __global__ write of size 8 bytes\n"
+                   "=========     at _move_kv_kernel+0x1d0\n"
+                   "=========\n"
+                   "========= ERROR SUMMARY: 1 error\n")
+    assert sanitizer.read_log(log) == (1, ["Invalid __global__ write of size 8 bytes", "at _move_kv_kernel+0x1d0"])
+    log.write_text("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n")
+    assert sanitizer.read_log(log) == (0, [])
+    log.write_text("========= COMPUTE-SANITIZER\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    assert sanitizer.read_log(log) == (0, [])
+    log.write_text("========= Error: Race reported between Write access at _move_kv_kernel+0x90\n"
+                   "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)\n")
+    assert sanitizer.read_log(log) == (1, ["Error: Race reported between Write access at _move_kv_kernel+0x90"])
+    assert sanitizer.read_log(tmp_path / "missing.log") == (None, [])

@@ -57,14 +57,16 @@ def test_a_new_report_joins_the_matrix_by_make_docs_matrix(tmp_path):
     cuda = json.loads((PUBLISHED / "cpu-x86_64.json").read_text())
     cuda.update(backend="cuda", device="cuda:0", proxy=False)
     (tmp_path / "cuda-h200.json").write_text(json.dumps(cuda))
-    columns = [c.label for c in matrix.merge_files(sorted(tmp_path.glob("*.json"))).columns]
+    merged = matrix.merge_files(sorted(tmp_path.glob("*.json")))
+    columns, headers = [c.label for c in merged.columns], [matrix.column_header(c) for c in merged.columns]
     # -o: use the environment as it is, never reinstall it from a test.
     run = subprocess.run(["make", "-o", ".venv/.installed", "docs-matrix", f"PUBLISHED={tmp_path}"], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     table = (tmp_path / "matrix.md").read_text(encoding="utf-8")
     header = next(line for line in table.splitlines() if line.startswith("| tier |"))
-    assert header == "| tier | op | test | " + " | ".join(columns) + " |"
+    assert header == "| tier | op | test | " + " | ".join(headers) + " |"
     assert "cuda" in columns
-    assert "| cuda | cuda:0 | no |" in table
-    assert "<th>cuda</th>" in (tmp_path / "matrix.html").read_text(encoding="utf-8")
+    cpu = matrix.hardware_text(matrix.load_report(PUBLISHED / "cpu-x86_64.json"))
+    assert f"| cuda | cuda:0 | {cpu} | no |" in table
+    assert "<th>cuda<br>" in (tmp_path / "matrix.html").read_text(encoding="utf-8")

@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-TIERS: tuple[str, ...] = ("registration", "contract", "semantics", "model", "engine", "performance")
+TIERS: tuple[str, ...] = ("registration", "contract", "semantics", "scale", "edge", "model", "engine", "performance")
 """Tiers in the order a backend usually clears them."""
 
 REPORT_SCHEMA = "ngram-hal-conformance/1"

@@ -63,14 +63,19 @@ class Call:
         return out
 
 
+def clone_kv(kv: KVCache) -> KVCache:
+    """A KV cache of the same shape, dtype and device holding a copy of ``kv``'s K and V."""
+    copy = KVCache(kv.num_layers, kv.num_slots, kv.num_heads, kv.head_dim, kv.dtype, kv.device)
+    copy.k.copy_(kv.k)
+    copy.v.copy_(kv.v)
+    return copy
+
+
 def _clone(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, KVCache):
-        copy = KVCache(value.num_layers, value.num_slots, value.num_heads, value.head_dim, value.dtype, value.device)
-        copy.k.copy_(value.k)
-        copy.v.copy_(value.v)
-        return copy
+        return clone_kv(value)
     return value
 
 

@@ -10,6 +10,9 @@ Options (stable; the ``ngram-hal conformance`` command passes them through):
     --xfails-file FILE            test ids expected to fail (one a line, ``#`` comments)
     --max-examples N              hypothesis examples per property test (default 25)
     --report-json PATH            write the JSON report
+    --scale {auto,reduced,full}   sizes of the scale tier (default auto: full on an accelerator,
+                                  reduced on the CPU, where Triton kernels run interpreted)
+    --tiers TIER[,TIER...]        run only the tests of these tiers (default: every tier)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .report import PROP_ID, PROP_OP, PROP_STRICT, PROP_TIER, ResultRecorder
 
 MARKER = "conformance"
 STRICT_MODES = {"both": (True, False), "on": (True,), "off": (False,)}
+SCALE_SETS = ("auto", "reduced", "full")
 DEFAULT_MAX_EXAMPLES = 25
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _SUITE_KEY = pytest.StashKey["Suite"]()
@@ -46,6 +50,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"hypothesis examples per property test (default: {DEFAULT_MAX_EXAMPLES})")
     group.addoption("--report-json", default=None, metavar="PATH",
                     help="write the conformance report (schema ngram-hal-conformance/1) here")
+    group.addoption("--scale", choices=SCALE_SETS, default="auto",
+                    help="sizes of the scale tier: 'full', 'reduced' (every tile boundary, smaller "
+                         "maxima) or 'auto' (full on an accelerator, reduced on the CPU; default)")
+    group.addoption("--tiers", default=None, metavar="TIER[,TIER...]",
+                    help=f"run only these tiers (of {', '.join(TIERS)}); the others are deselected")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,6 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
                    f"ngram_hal.backend.OPS, a list of them, or None) at tier (one of {', '.join(TIERS)})")
     if config.getoption("max_examples") < 1:
         raise pytest.UsageError("--max-examples must be >= 1")
+    _tiers(config)
     config.stash[_SUITE_KEY] = Suite(config)
     path = config.getoption("report_json")
     if path:
@@ -74,8 +84,16 @@ class Suite:
         self.device_option: str | None = config.getoption("device")
         self.strict_modes: tuple[bool, ...] = STRICT_MODES[config.getoption("strict_mode")]
         self.max_examples: int = config.getoption("max_examples")
+        self.scale_option: str = config.getoption("scale")
         self._target = None
         self._probe = None
+
+    @property
+    def scale(self) -> str:
+        """The scale tier's size set that runs: ``"full"`` or ``"reduced"``."""
+        if self.scale_option != "auto":
+            return self.scale_option
+        return "reduced" if self.probe.runtime.is_host else "full"
 
     @property
     def target(self):
@@ -104,6 +122,19 @@ class Suite:
                                         f"device {self.device_option or target.cls.default_device}: "
                                         f"{type(exc).__name__}: {exc}") from exc
         return self._probe
+
+
+def _tiers(config: pytest.Config) -> tuple[str, ...] | None:
+    """The tiers ``--tiers`` names (None: every tier); a usage error names an unknown one."""
+    value = config.getoption("tiers")
+    if value is None:
+        return None
+    names = tuple(t.strip() for t in value.split(",") if t.strip())
+    unknown = [t for t in names if t not in TIERS]
+    if unknown or not names:
+        raise pytest.UsageError(f"--tiers {value!r}: {unknown[0] if unknown else 'no tier'} is not one of "
+                                f"{', '.join(TIERS)}")
+    return names
 
 
 def _meta(item: pytest.Item) -> tuple[object, str | None] | None:
@@ -153,6 +184,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         elif _inside_package(item):
             raise pytest.UsageError(f"{item.nodeid}: every conformance test needs "
                                     f"@pytest.mark.{MARKER}(op=..., tier=...)")
+    tiers = _tiers(config)
+    if tiers is not None:
+        kept = [(item, meta) for item, meta in marked if meta[1] in tiers]
+        dropped = [item for item, meta in marked if meta[1] not in tiers]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            gone = set(dropped)
+            items[:] = [item for item in items if item not in gone]
+        marked = kept
     if not marked:
         return
     suite = config.stash[_SUITE_KEY]
@@ -248,6 +288,12 @@ def unchecked_backend(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session")
+def scale(request: pytest.FixtureRequest) -> str:
+    """The scale tier's size set: ``"full"`` or ``"reduced"`` (``--scale``)."""
+    return request.config.stash[_SUITE_KEY].scale
+
+
+@pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest):
     """The torch device the backend under test runs on."""
     return request.config.stash[_SUITE_KEY].probe.device
@@ -285,14 +331,16 @@ class ReportWriter:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         from ngram_hal.files import WriteError
 
-        from .report import build_report, collect_versions, write_report
+        from .report import Hardware, build_report, collect_versions, write_report
 
         suite = self.config.stash[_SUITE_KEY]
-        target = capabilities = device_name = None
+        target = capabilities = device_name = hardware = scale = None
         try:
             target = suite.target
             capabilities = suite.probe.capabilities()
             device_name = suite.probe.runtime.device_name
+            hardware = Hardware(**suite.probe.runtime.hardware())
+            scale = suite.scale
         except pytest.UsageError:
             pass
         report = build_report(
@@ -303,7 +351,7 @@ class ReportWriter:
             device=capabilities.device if capabilities else None,
             strict_modes=list(suite.strict_modes),
             capabilities=capabilities.model_dump() if capabilities else None,
-            tests=self.recorder.results(), device_name=device_name)
+            tests=self.recorder.results(), device_name=device_name, hardware=hardware, scale=scale)
         try:
             write_report(report, self.path)
         except WriteError as exc:

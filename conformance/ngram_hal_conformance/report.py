@@ -65,6 +65,28 @@ class Versions(BaseModel):
     driver: str | None
 
 
+class Hardware(BaseModel):
+    """The device a run used (``ngram_hal.runtime.Runtime.hardware``); None where unknown."""
+
+    name: str | None = None
+    architecture: str | None = None
+    memory_bytes: int | None = None
+    multiprocessors: int | None = None
+    runtime: str | None = None
+
+
+class Sanitizer(BaseModel):
+    """A run under NVIDIA's compute-sanitizer: the tool, the errors it counted (its ``ERROR
+    SUMMARY``; None when it printed none, e.g. it did not start), its version and the first lines
+    of its error reports."""
+
+    tool: str
+    errors: int | None
+    version: str | None = None
+    exit_code: int
+    first_errors: list[str] = []
+
+
 class ConformanceReport(BaseModel):
     """A whole run against one backend."""
 
@@ -77,7 +99,10 @@ class ConformanceReport(BaseModel):
     versions: Versions
     device: str | None
     device_name: str | None = None
+    hardware: Hardware | None = None
     strict_modes: list[bool]
+    scale: str | None = None
+    sanitizer: Sanitizer | None = None
     capabilities: dict[str, Any] | None
     summary: Summary
     tests: list[TestResult]
@@ -94,12 +119,15 @@ def summarize(tests: list[TestResult]) -> Summary:
 
 def build_report(backend: str, target: str | None, proxy: bool | None, versions: Versions,
                  device: str | None, strict_modes: list[bool], capabilities: dict[str, Any] | None,
-                 tests: list[TestResult], device_name: str | None = None) -> ConformanceReport:
+                 tests: list[TestResult], device_name: str | None = None, hardware: Hardware | None = None,
+                 scale: str | None = None) -> ConformanceReport:
     """Assemble a report; the summary is counted from ``tests`` and ``created`` is now (UTC).
-    ``device_name`` is the hardware behind ``device`` (``"NVIDIA H200"``)."""
+    ``device_name`` is the hardware behind ``device`` (``"NVIDIA H200"``), ``hardware`` the
+    rest of what is known about it; ``scale`` the scale tier's size set."""
     return ConformanceReport(
         backend=backend, target=target, proxy=proxy, versions=versions, device=device, device_name=device_name,
-        strict_modes=strict_modes, capabilities=capabilities, summary=summarize(tests), tests=tests,
+        hardware=hardware, strict_modes=strict_modes, scale=scale, capabilities=capabilities,
+        summary=summarize(tests), tests=tests,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 

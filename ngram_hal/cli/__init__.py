@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from ..options import POSITIVE_INT
-from . import run
+from . import run, sanitizer
 from .common import DEBUG_ENV, CommandError, Parser, report_errors
 from .hal import backends_command, conformance_command, matrix_command
 
@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test strict=True instances, strict=False ones, or both (default)")
     p.add_argument("--max-examples", type=POSITIVE_INT, metavar="N", help="hypothesis examples per property test")
     p.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    p.add_argument("--tiers", metavar="TIER[,TIER...]", help="only the tests of these tiers")
+    p.add_argument("--scale", choices=("auto", "reduced", "full"),
+                   help="sizes of the scale tier (default auto: full on an accelerator, reduced on the CPU)")
+    p.add_argument("--sanitizer", choices=sanitizer.TOOLS,
+                   help="run the suite under NVIDIA's compute-sanitizer with this tool (NVIDIA GPUs); the "
+                        "report records the errors it found")
     p.set_defaults(func=conformance_command)
 
     p = sub.add_parser("matrix", parents=[debug], help="merge conformance JSON reports into one backend x test matrix")

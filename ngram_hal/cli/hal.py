@@ -7,11 +7,13 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -19,6 +21,7 @@ from rich.text import Text
 from .. import matrix
 from ..backend import OPS
 from ..registry import list_backends, resolve
+from . import sanitizer
 from .common import CommandError, check_destination, error_line, write_output
 
 CONFORMANCE_PACKAGE = "ngram_hal_conformance"
@@ -86,6 +89,14 @@ def _check_conformance_target(args: argparse.Namespace) -> None:
                                f"{type(exc).__name__}: {error_line(exc)}") from exc
     if args.xfails and not Path(args.xfails).is_file():
         raise CommandError(f"--xfails {args.xfails}: no such file")
+    if args.sanitizer:
+        if sanitizer.find() is None:
+            raise CommandError(f"--sanitizer {args.sanitizer}: {sanitizer.EXECUTABLE} is not on PATH (it comes with "
+                               "the CUDA toolkit)")
+        device = target.cls(device=args.device, strict=False).device
+        if device.type != "cuda" or torch.version.hip:
+            raise CommandError(f"--sanitizer {args.sanitizer}: compute-sanitizer checks NVIDIA GPUs; backend "
+                               f"'{args.backend}' runs on {device}" + (" (ROCm)" if torch.version.hip else ""))
 
 
 def conformance_command(args: argparse.Namespace) -> int:
@@ -118,7 +129,14 @@ def conformance_command(args: argparse.Namespace) -> int:
             argv += ["--max-examples", str(args.max_examples)]
         if args.k:
             argv += ["-k", args.k]
-        code = int(pytest.main(argv))
+        if args.tiers:
+            argv += ["--tiers", args.tiers]
+        if args.scale:
+            argv += ["--scale", args.scale]
+        if args.sanitizer:
+            code = _run_sanitized(args.sanitizer, argv, Path(tmp), report_path)
+        else:
+            code = int(pytest.main(argv))
         try:
             report = matrix.load_report(report_path)
         except ValueError as exc:
@@ -135,6 +153,24 @@ def conformance_command(args: argparse.Namespace) -> int:
             _conformance_summary(report, Console())
         else:
             print(f"error: no conformance test ran (pytest exit code {code})", file=sys.stderr)
+    return code
+
+
+def _run_sanitized(tool: str, argv: list[str], tmp: Path, report_path: Path) -> int:
+    """Run pytest with ``argv`` in a child process under compute-sanitizer's ``tool`` and add what
+    it found to the report at ``report_path``; returns the child's exit code."""
+    executable, log = sanitizer.find(), tmp / "sanitizer.log"
+    child = [*sanitizer.command(executable, tool, log), sys.executable, "-m", "pytest", *argv]
+    print(f"conformance under compute-sanitizer --tool {tool} (much slower than a plain run)", file=sys.stderr)
+    code = subprocess.run(child, env=sanitizer.environment(dict(os.environ))).returncode
+    errors, first = sanitizer.read_log(log)
+    if report_path.is_file():
+        data = json.loads(report_path.read_text())
+        data["sanitizer"] = {"tool": tool, "errors": errors, "version": sanitizer.version(executable),
+                             "exit_code": code, "first_errors": first}
+        report_path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"compute-sanitizer {tool}: " + (f"{errors} errors" if errors is not None else "no error summary"),
+          file=sys.stderr)
     return code
 
 

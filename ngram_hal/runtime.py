@@ -48,6 +48,19 @@ class HostEvent:
         pass
 
 
+def _cpu_model() -> str | None:
+    """The processor's model name from ``/proc/cpuinfo`` (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
 class Runtime:
     """Streams, events and host buffers of one device.
 
@@ -64,9 +77,9 @@ class Runtime:
     @property
     def device_name(self) -> str:
         """The processor or accelerator model behind the device (``"NVIDIA H200"``; on the CPU the
-        processor's name, or the machine type where the platform gives none)."""
+        processor's model name from ``/proc/cpuinfo``, else the platform's processor or machine type)."""
         if self._host:
-            return platform.processor() or platform.machine()
+            return _cpu_model() or platform.processor() or platform.machine()
         get = getattr(self._module, "get_device_name", None)
         return get(self.device) if callable(get) else self.device.type
 

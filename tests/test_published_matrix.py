@@ -67,6 +67,6 @@ def test_a_new_report_joins_the_matrix_by_make_docs_matrix(tmp_path):
     header = next(line for line in table.splitlines() if line.startswith("| tier |"))
     assert header == "| tier | op | test | " + " | ".join(headers) + " |"
     assert "cuda" in columns
-    cpu = matrix.hardware_text(matrix.load_report(PUBLISHED / "cpu-x86_64.json"))
-    assert f"| cuda | cuda:0 | {cpu} | no |" in table
+    hardware = matrix.hardware_text(matrix.load_report(tmp_path / "cuda-h200.json"))
+    assert f"| cuda | cuda:0 | {hardware} | no |" in table
     assert "<th>cuda<br>" in (tmp_path / "matrix.html").read_text(encoding="utf-8")

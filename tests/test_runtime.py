@@ -4,6 +4,10 @@ conformance suite's registration tier on that device."""
 
 from __future__ import annotations
 
+import os
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -35,3 +39,12 @@ def test_host_streams_and_events_complete_at_once():
     assert rt.to_host(x) is x
     out = rt.empty_host((4,), torch.int64)
     assert rt.to_host(x, out=out) is out and out.tolist() == [1, 2, 3, 4]
+
+
+def test_hardware_names_the_host_processor():
+    hw = Runtime("cpu").hardware()
+    models = [line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+              if line.partition(":")[0].strip() == "model name"] if Path("/proc/cpuinfo").is_file() else []
+    assert hw["name"] == (models[0] if models else platform.processor() or platform.machine())
+    assert hw["architecture"] == platform.machine() and hw["runtime"] is None
+    assert hw["memory_bytes"] > 2**30 and hw["multiprocessors"] == os.cpu_count()

@@ -48,6 +48,8 @@ class Postprocessor:
         start = time.perf_counter()
         D = step.num_nodes
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
+        if step.kind == "decode":
+            self._check_lengths(step.reqs, lens, D)
         shadow = step.shadow.tolist() if step.shadow is not None else None
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
         records = self.policy.records
@@ -91,6 +93,16 @@ class Postprocessor:
             self.stats.critical_s += elapsed
         else:
             self.stats.process_s += elapsed
+
+    def _check_lengths(self, reqs, lens: list[int], D: int) -> None:
+        """Refuse a verify step whose accept_len leaves ``1..D`` for a live request: with none
+        committed the request would never advance (a backend bug strict mode reports at the op)."""
+        bad = next(((r.rid, n) for r, n in zip(reqs, lens) if not r.finished and not 1 <= n <= D), None)
+        if bad is not None:
+            name = self.runner.backend.name
+            raise RuntimeError(f"backend '{name}': a verify step committed {bad[1]} tokens for request {bad[0]} "
+                               f"(accept_len must lie in 1..{D}); check the backend with `ngram-hal conformance "
+                               f"--backend {name}`")
 
     def outputs(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:
         """Text level: stop strings and detokenization, the outputs of the step's requests

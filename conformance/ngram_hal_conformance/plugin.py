@@ -63,7 +63,6 @@ def pytest_configure(config: pytest.Config) -> None:
                    f"ngram_hal.backend.OPS, a list of them, or None) at tier (one of {', '.join(TIERS)})")
     if config.getoption("max_examples") < 1:
         raise pytest.UsageError("--max-examples must be >= 1")
-    _tiers(config)
     config.stash[_SUITE_KEY] = Suite(config)
     path = config.getoption("report_json")
     if path:
@@ -85,6 +84,7 @@ class Suite:
         self.strict_modes: tuple[bool, ...] = STRICT_MODES[config.getoption("strict_mode")]
         self.max_examples: int = config.getoption("max_examples")
         self.scale_option: str = config.getoption("scale")
+        self.tiers: tuple[str, ...] | None = _tiers(config)
         self._target = None
         self._probe = None
 
@@ -184,7 +184,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         elif _inside_package(item):
             raise pytest.UsageError(f"{item.nodeid}: every conformance test needs "
                                     f"@pytest.mark.{MARKER}(op=..., tier=...)")
-    tiers = _tiers(config)
+    tiers = config.stash[_SUITE_KEY].tiers
     if tiers is not None:
         kept = [(item, meta) for item, meta in marked if meta[1] in tiers]
         dropped = [item for item, meta in marked if meta[1] not in tiers]

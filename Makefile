@@ -114,7 +114,7 @@ docs-matrix: $(STAMP)
 
 # The op reference, made from the ops' declarations.
 docs-ops: $(STAMP)
-	$(PY) -c "from ngram_hal.declarations import ops_markdown; print(ops_markdown(), end='')" > docs/ops.md
+	$(PY) -c "from ngram_hal.backend import DECLARATIONS; from ngram_hal.declarations import ops_markdown; print(ops_markdown(DECLARATIONS), end='')" > docs/ops.md
 
 clean:
 	rm -rf $(REPORTS) .hypothesis

@@ -11,7 +11,7 @@ of requests decoded together so that the shared corpus also learns across reques
             for the file; the output is the whole file (a prompt that contains most of it)
   continue  the prompt is the text before, the output the text after (no copy to find)
 
-    python bench/bench_acceptance.py [--requests 8] [--output 1536] [--nodes 8 16]
+    python bench/bench_acceptance.py [--requests 8] [--output 1536] [--tree-size 8 16]
                                      [--json reports/bench_acceptance.json]
 """
 
@@ -63,7 +63,7 @@ def replay(name: str, streams: list[np.ndarray], prompt_lens: list[int], D: int)
         steps += ~run.done()
         run.step()
     outputs = np.array([s.size - n for s, n in zip(streams, prompt_lens)])
-    return {"drafter": name, "nodes": D, "steps": int(steps.sum()), "output_tokens": int(outputs.sum()),
+    return {"drafter": name, "tree_size": D, "steps": int(steps.sum()), "output_tokens": int(outputs.sum()),
             "tokens_per_step": float(outputs.sum() / steps.sum()),
             "tokens_per_step_by_request": (outputs / steps).round(3).tolist()}
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=8, help="requests per scenario (half code, half prose)")
     ap.add_argument("--output", type=int, default=1536, help="output tokens per request")
     ap.add_argument("--before", type=int, default=4096, help="prompt tokens in the 'continue' scenario")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--tree-size", type=int, nargs="+", default=[8, 16], metavar="D")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     ap.add_argument("--cache", type=Path, default=Path("reports/cache"))
     ap.add_argument("--json", type=Path, default=Path("reports/bench_acceptance.json"))
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for scenario, case in cases.items():
         streams, prompt_lens = [s for s, _ in case], [n for _, n in case]
-        for D in args.nodes:
+        for D in args.tree_size:
             for name in args.drafters:
                 row = {"scenario": scenario, **replay(name, streams, prompt_lens, D)}
                 rows.append(row)
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = make_table(f"Mean tokens committed per verify step (greedy replay), tokens: {tokenizer}",
                        ["scenario", "D", *args.drafters] + (["trie-bfs / linear"] if ratio else []),
                        left=("scenario",))
-    got = {(r["scenario"], r["nodes"], r["drafter"]): r["tokens_per_step"] for r in rows}
+    got = {(r["scenario"], r["tree_size"], r["drafter"]): r["tokens_per_step"] for r in rows}
     for scenario in cases:
-        for D in args.nodes:
+        for D in args.tree_size:
             cells = [f"{got[(scenario, D, n)]:.3f}" for n in args.drafters]
             if ratio:
                 cells.append(f"{got[(scenario, D, 'trie-bfs')] / got[(scenario, D, 'linear')]:.2f}x")

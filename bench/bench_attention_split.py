@@ -40,13 +40,13 @@ from ngram_hal_cuda import CudaBackend  # noqa: E402
 WIDTH = 2048
 
 
-def call_args(batch: int, nodes: int, device, dtype, seed: int, width: int, contexts: tuple[int, int]) -> dict:
-    """One layer's attention call: ``batch`` requests of ``nodes`` queries (1: decode; more: a
+def call_args(batch: int, tree_size: int, device, dtype, seed: int, width: int, contexts: tuple[int, int]) -> dict:
+    """One layer's attention call: ``batch`` requests of ``tree_size`` queries (1: decode; more: a
     chain tree), keys bounded by ``width``."""
     rng = random.Random(seed)
     kv_lens = [rng.randint(*contexts) for _ in range(batch)]
-    trees = None if nodes == 1 else [[-1] + list(range(nodes - 1))] * batch
-    call = attention_call(rng, device, dtype, kv_lens=kv_lens, q_lens=[nodes] * batch, heads=(9, 3),
+    trees = None if tree_size == 1 else [[-1] + list(range(tree_size - 1))] * batch
+    call = attention_call(rng, device, dtype, kv_lens=kv_lens, q_lens=[tree_size] * batch, heads=(9, 3),
                           head_dim=64, trees=trees, extra_cols=width - max(kv_lens))
     return {**call.args, "max_kv_len": width}
 
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default="1,4,16,64")
-    parser.add_argument("--nodes", default="1,8,16", help="queries per request (1: decode)")
+    parser.add_argument("--tree-sizes", default="1,8,16", metavar="D,...",
+                        help="tree sizes: queries per request (1: decode)")
     parser.add_argument("--calls", type=int, default=30, help="calls per captured graph (a step's layers)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="small shapes, agreement only")
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                        "graph-replayed us per call", ["case", "even", "bound", "bound / even"], left=["case"])
     results = []
     for batch in batches:
-        for nodes in [int(n) for n in args.nodes.split(",")]:
-            a = call_args(batch, nodes, even.device, dtype, batch * 100 + nodes, width, contexts)
-            case = f"{'decode' if nodes == 1 else f'tree D={nodes}'} B={batch}"
+        for tree_size in [int(n) for n in args.tree_sizes.split(",")]:
+            a = call_args(batch, tree_size, even.device, dtype, batch * 100 + tree_size, width, contexts)
+            case = f"{'decode' if tree_size == 1 else f'tree D={tree_size}'} B={batch}"
             got = {name: backend.attention(**a) for name, backend in (("even", even), ("bound", bound))}
             err = (got["even"].float() - got["bound"].float()).abs().max().item()
             if err > 0.02:
@@ -85,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       args.replays)
                 us[name] = None if ms is None else 1e3 * ms
             ratio = None if us["even"] is None else us["bound"] / us["even"]
-            results.append({"case": case, "batch": batch, "nodes": nodes, "even_us": us["even"],
+            results.append({"case": case, "batch": batch, "tree_size": tree_size, "even_us": us["even"],
                             "bound_us": us["bound"], "bound_over_even": ratio, "max_abs_diff": err})
             table.add_row(case, *("-" if us[n] is None else f"{us[n]:.2f}" for n in ("even", "bound")),
                           "-" if ratio is None else f"{ratio:.2f}x")
     console.print(table)
-    report = {**report_header("ngram-hal/bench-attention-split/1", even), "width": width,
+    report = {**report_header("ngram-hal/bench-attention-split/2", even), "width": width,
               "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."), "results": results}
     write_report(args.json, report, console)
     return 0

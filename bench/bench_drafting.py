@@ -19,7 +19,7 @@ time (recording the prompts); the mean tokens committed per step; rescan/trie an
 ratios of the CPU means. Also the trie's memory: bytes per node and the corpus's bytes at
 capacity.
 
-    python bench/bench_drafting.py [--batch 1 16 64] [--context 1024 8192 32768] [--nodes 8 16]
+    python bench/bench_drafting.py [--batch 1 16 64] [--context 1024 8192 32768] [--tree-size 8 16]
                                    [--steps 256] [--json reports/bench_drafting.json]
 """
 
@@ -88,8 +88,8 @@ class RescanDrafter(Drafter):
             ends, length = keep, length + 1
         return length, int(ends[-1])
 
-    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
-        D = num_nodes
+    def draft(self, rids: Sequence[Hashable], tree_size: int) -> DraftBatch:
+        D = tree_size
         tokens = np.empty((len(rids), D), np.int64)
         drafted = np.ones(len(rids), np.int64)
         for b, rid in enumerate(rids):
@@ -125,16 +125,16 @@ def streams_for(batch: int, length: int, code: np.ndarray, prose: np.ndarray) ->
 
 
 def run_one(name: str, drafter: Drafter, prefill: float, streams: list[np.ndarray], context: int,
-            nodes: int, steps: int) -> dict:
+            tree_size: int, steps: int) -> dict:
     """Time ``steps`` decode steps of ``drafter``, which already holds the prompts."""
-    replay = Replay(drafter, streams, context, nodes)
+    replay = Replay(drafter, streams, context, tree_size)
     times, cpu_times, committed = [], [], []
     for _ in range(steps):
         seconds, cpu, done = replay.step()
         times.append(seconds / len(streams) * 1e6)
         cpu_times.append(cpu / len(streams) * 1e6)
         committed.append(float(done.mean()))
-    row = {"drafter": name, "batch": len(streams), "context": context, "nodes": nodes,
+    row = {"drafter": name, "batch": len(streams), "context": context, "tree_size": tree_size,
            "steps": steps, "cpu_us_per_request_step": statistics.fmean(cpu_times),
            "us_per_request_step": statistics.fmean(times),
            "us_per_request_step_p50": statistics.median(times),
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--tree-size", type=int, nargs="+", default=[8, 16], metavar="D")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     ap.add_argument("--memory-capacity", type=int, default=1 << 20)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=Path("reports/bench_drafting.json"))
     args = ap.parse_args(argv)
 
-    length = max(args.context) + args.steps * max(args.nodes) + max(args.nodes)
+    length = max(args.context) + args.steps * max(args.tree_size) + max(args.tree_size)
     per_kind = (max(args.batch) + 1) // 2 * length
     code, tokenizer = load_tokens("code", per_kind, args.cache)
     prose, _ = load_tokens("prose", per_kind, args.cache)
@@ -198,15 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
     console = make_console()
     for B in args.batch:
         for C in args.context:
-            streams = [s[: C + args.steps * max(args.nodes) + max(args.nodes)]
+            streams = [s[: C + args.steps * max(args.tree_size) + max(args.tree_size)]
                        for s in streams_for(B, length, code, prose)]
-            if min(s.size for s in streams) < C + args.steps * max(args.nodes):
+            if min(s.size for s in streams) < C + args.steps * max(args.tree_size):
                 console.print(f"[yellow]skip B={B} C={C}: not enough text")
                 continue
             for name in args.drafters:
                 base = DRAFTERS[name]()
-                prefill = Replay(base, streams, C, min(args.nodes)).prefill()
-                for D in args.nodes:
+                prefill = Replay(base, streams, C, min(args.tree_size)).prefill()
+                for D in args.tree_size:
                     row = run_one(name, copy.deepcopy(base), prefill, streams, C, D, args.steps)
                     rows.append(row)
                     console.log(f"{name:6s} B={B:3d} C={C:6d} D={D:2d} "
@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
                        f"tokens: {tokenizer}",
                        ("B", "context", "D", "trie", "linear", "rescan", "rescan/trie", "linear/trie",
                         "tok/step trie", "tok/step linear"))
-    by_key = {(r["batch"], r["context"], r["nodes"], r["drafter"]): r for r in rows}
+    by_key = {(r["batch"], r["context"], r["tree_size"], r["drafter"]): r for r in rows}
     for B in args.batch:
         for C in args.context:
-            for D in args.nodes:
+            for D in args.tree_size:
                 got = {n: by_key.get((B, C, D, n)) for n in DRAFTERS}
                 if not any(got.values()):
                     continue

@@ -4,15 +4,15 @@ For each batch size B, max(B, prompts) requests cycling over the prompts taken k
 turn (the bundled ones by default) go through an engine of B running requests, continuous
 batching refilling the batch as requests finish, so that every batch of four or more mixes
 copy-heavy and open-ended requests; at B = 1 each prompt runs alone, one after another; greedy;
-these runs (``--runs`` picks some; D0 is the first of ``--spec-nodes``):
+these runs (``--runs`` picks some; D0 is the first of ``--tree-sizes``):
 
   plain, plain-nooverlap, plain-nographs,    plain decode (D = 1), captured graphs and the overlap
   plain-nographs-nooverlap                   loop each on or off
-  spec{D} for D in --spec-nodes              speculation, trie drafter, D nodes on every step
-  spec{D}-device for D in --spec-nodes       speculation drafted on the device (prompt lookup)
+  spec{D} for D in --tree-sizes              speculation, trie drafter, D nodes on every step
+  spec{D}-device for D in --tree-sizes       speculation drafted on the device (prompt lookup)
   spec{D0}-nooverlap                         the same without overlap
   auto{D0}, auto{D}-device for D in          the auto policy (1, 2, 4, ... or D nodes a step)
-    --spec-nodes
+    --tree-sizes
   invariant-plain, invariant-spec{D0},       the model loaded again with batch_invariant=True;
   invariant-spec{D0}-device                  only where the backend runs Triton model kernels
 
@@ -66,9 +66,9 @@ from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
 from ngram_hal.options import POSITIVE_INT  # noqa: E402
 
-SCHEMA = "ngram-hal-bench-engine/1"
-FULL = {"batch_sizes": [1, 16, 64], "max_new_tokens": 128, "spec_nodes": [8, 16]}
-QUICK = {"batch_sizes": [1, 2], "max_new_tokens": 3, "spec_nodes": [4]}
+SCHEMA = "ngram-hal-bench-engine/2"
+FULL = {"batch_sizes": [1, 16, 64], "max_new_tokens": 128, "tree_sizes": [8, 16]}
+QUICK = {"batch_sizes": [1, 2], "max_new_tokens": 3, "tree_sizes": [4]}
 """Defaults of the full matrix and of ``--quick`` (one prompt of each kind, the shortest)."""
 PLAIN, OLD = "plain", "plain-nographs-nooverlap"
 """The run every other is compared with, and the old baseline (no graphs, no overlap)."""
@@ -79,7 +79,7 @@ class RunConfig:
     """One configuration of the matrix."""
 
     name: str
-    spec_nodes: int
+    tree_size: int
     policy: str = "always"
     graphs: bool = True
     overlap: bool = True
@@ -92,15 +92,15 @@ class RunConfig:
         return "invariant-plain" if self.invariant else PLAIN
 
 
-def run_configs(spec_nodes: Sequence[int]) -> list[RunConfig]:
-    """Every configuration of the matrix, in run order, for the speculative tree sizes ``spec_nodes``."""
-    d = spec_nodes[0]
+def run_configs(tree_sizes: Sequence[int]) -> list[RunConfig]:
+    """Every configuration of the matrix, in run order, for the speculative tree sizes ``tree_sizes``."""
+    d = tree_sizes[0]
     return [RunConfig(PLAIN, 1), RunConfig("plain-nooverlap", 1, overlap=False),
             RunConfig("plain-nographs", 1, graphs=False), RunConfig(OLD, 1, graphs=False, overlap=False),
-            *(RunConfig(f"spec{D}", D) for D in spec_nodes),
-            *(RunConfig(f"spec{D}-device", D, drafter="device") for D in spec_nodes),
+            *(RunConfig(f"spec{D}", D) for D in tree_sizes),
+            *(RunConfig(f"spec{D}-device", D, drafter="device") for D in tree_sizes),
             RunConfig(f"spec{d}-nooverlap", d, overlap=False), RunConfig(f"auto{d}", d, policy="auto"),
-            *(RunConfig(f"auto{D}-device", D, policy="auto", drafter="device") for D in spec_nodes),
+            *(RunConfig(f"auto{D}-device", D, policy="auto", drafter="device") for D in tree_sizes),
             RunConfig("invariant-plain", 1, invariant=True), RunConfig(f"invariant-spec{d}", d, invariant=True),
             RunConfig(f"invariant-spec{d}-device", d, invariant=True, drafter="device")]
 
@@ -121,7 +121,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="comma-separated batch sizes (default 1,16,64; quick 1,2)")
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=None, metavar="N",
                         help="at most N new tokens per request (default 128; quick 3)")
-    parser.add_argument("--spec-nodes", type=int_list, default=None, metavar="D,...",
+    parser.add_argument("--tree-sizes", type=int_list, default=None, metavar="D,...",
                         help="speculative tree sizes; the first also runs without overlap, with auto and "
                              "batch-invariant (default 8,16; quick 4)")
     parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
@@ -147,9 +147,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.profile_steps < 0:
         parser.error(f"argument --profile-steps: {args.profile_steps}: expected 0 or more")
-    args.spec_nodes = list(dict.fromkeys(args.spec_nodes))
-    if min(args.spec_nodes) < 2:
-        parser.error(f"argument --spec-nodes: {min(args.spec_nodes)}: a speculative tree has at least 2 nodes")
+    args.tree_sizes = list(dict.fromkeys(args.tree_sizes))
+    if min(args.tree_sizes) < 2:
+        parser.error(f"argument --tree-sizes: {min(args.tree_sizes)}: a speculative tree has at least 2 nodes")
     # What Setup reads besides the options above: one model, in the default mode; the trie drafter
     # (where a run names no other).
     args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", 16384
@@ -158,14 +158,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def selected_configs(args: argparse.Namespace) -> list[RunConfig]:
     """The configurations ``--runs`` asks for, in run order; a CommandError names an unknown one."""
-    configs = run_configs(args.spec_nodes)
+    configs = run_configs(args.tree_sizes)
     if args.runs is None:
         return configs
     known = [c.name for c in configs]
     unknown = [name for name in args.runs if name not in known]
     if unknown:
-        raise CommandError(f"--runs {unknown[0]}: no such run with --spec-nodes "
-                           f"{','.join(map(str, args.spec_nodes))} (choose from {', '.join(known)})")
+        raise CommandError(f"--runs {unknown[0]}: no such run with --tree-sizes "
+                           f"{','.join(map(str, args.tree_sizes))} (choose from {', '.join(known)})")
     return [c for c in configs if c.name in args.runs]
 
 
@@ -239,9 +239,9 @@ def summarize(results: Sequence[RunResult], chosen: Counter) -> dict:
             "token_ids": [rec.token_ids for rec in records]}
 
 
-def profile_budget(steps: int, spec_nodes: int) -> SamplingParams:
+def profile_budget(steps: int, tree_size: int) -> SamplingParams:
     """Sampling for the profiled pass: greedy, EOS ignored, room for the lead-in and the window."""
-    return SamplingParams(max_new_tokens=(2 * steps + 4) * spec_nodes, ignore_eos=True)
+    return SamplingParams(max_new_tokens=(2 * steps + 4) * tree_size, ignore_eos=True)
 
 
 class Workload:
@@ -258,10 +258,10 @@ class Workload:
 
     def engine(self, model, cfg: "RunConfig"):
         """An engine for ``cfg`` with slots for every request of the batch (and the profiled pass)."""
-        budget = profile_budget(self.args.profile_steps, cfg.spec_nodes)
+        budget = profile_budget(self.args.profile_steps, cfg.tree_size)
         new = max(self.args.max_new_tokens, budget.max_new_tokens if self.profiling else 0)
-        num_slots = self.batch * min(self.args.max_context_len, self.longest + new + 3 * cfg.spec_nodes)
-        return self.setup.engine(cfg.spec_nodes, cfg.overlap, self.batch, cfg.policy, graphs=cfg.graphs,
+        num_slots = self.batch * min(self.args.max_context_len, self.longest + new + 3 * cfg.tree_size)
+        return self.setup.engine(cfg.tree_size, cfg.overlap, self.batch, cfg.policy, graphs=cfg.graphs,
                                  num_slots=num_slots, model=model, drafter=cfg.drafter)
 
     def run(self, engine) -> list[RunResult]:
@@ -303,7 +303,7 @@ def measure(work: Workload, model, cfg: RunConfig, partner: PlainPartner | None 
     row = not_run(cfg, batch, "ok", None)
     device = setup.backend.device
     tokenizer = setup.tokenizer
-    budget = profile_budget(args.profile_steps, cfg.spec_nodes)
+    budget = profile_budget(args.profile_steps, cfg.tree_size)
     engine = None
     try:
         engine = work.engine(model, cfg)
@@ -331,7 +331,7 @@ def measure(work: Workload, model, cfg: RunConfig, partner: PlainPartner | None 
         row["graph_captures"] = captures
         row["graph_captures_timed"] = engine.graphs.captures - captures if engine.graphs is not None else None
         row["kv_cache_bytes"] = engine.kv.nbytes
-        # The policy's step costs after the timed passes: {bucket: {nodes: seconds}}.
+        # The policy's step costs after the timed passes: {bucket: {tree size: seconds}}.
         row["step_costs"] = engine.policy.costs.table() if cfg.policy == "auto" else None
         row["profile"] = None
         if work.profiling:
@@ -398,7 +398,7 @@ def exactness(rows: Sequence[dict]) -> list[dict]:
     out = []
     for row in rows:
         same = row.get("same_tokens_as_plain")
-        if row["status"] == "ok" and row["spec_nodes"] > 1 and same is not None:
+        if row["status"] == "ok" and row["tree_size"] > 1 and same is not None:
             out.append({"batch": row["batch"], "run": row["run"],
                         "mode": "invariant" if row["invariant"] else "default", **same})
     return out
@@ -414,7 +414,7 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
     time, batch 64, auto against plain at every batch, greedy exactness. ``met`` is None where the
     run is missing or failed (or, for idle time, where the device has no timing events)."""
     names = {c.name for c in configs}
-    spec = [c.name for c in configs if c.spec_nodes > 1 and not c.invariant and c.graphs and c.overlap]
+    spec = [c.name for c in configs if c.tree_size > 1 and not c.invariant and c.graphs and c.overlap]
     d0 = next((c for c in configs if c.name.startswith("spec") and c.overlap and c.drafter == "trie"), None)
     d0_device = next((c for c in configs if c.name.startswith("spec") and c.overlap and c.drafter == "device"), None)
     out = []
@@ -447,7 +447,7 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
     by_name = {c.name: c for c in configs}
     for name in sorted(n for n in names if n.startswith("auto")):
         cfg = by_name[name]
-        fixed = [c.name for c in configs if c.policy == "always" and c.spec_nodes > 1 and c.drafter == cfg.drafter
+        fixed = [c.name for c in configs if c.policy == "always" and c.tree_size > 1 and c.drafter == cfg.drafter
                  and not c.invariant and c.graphs and c.overlap]
         for b in batch_sizes:
             row = _find(rows, b, name)
@@ -559,7 +559,7 @@ def bench(args: argparse.Namespace) -> int:
     specs = prompt_specs(args)
     if args.quick:
         specs = quick_prompts(specs)
-    check_tree_room(max(args.spec_nodes), args.max_context_len)
+    check_tree_room(max(args.tree_sizes), args.max_context_len)
     configs = selected_configs(args)
     console, status = make_console(), Console(stderr=True, soft_wrap=True)
     setup = Setup(args, status)
@@ -567,7 +567,7 @@ def bench(args: argparse.Namespace) -> int:
     prompt_lens = {s.id: len(tokenizer.encode_chat(s.messages)) for s in specs}
     report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
               "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
-                          "spec_nodes": args.spec_nodes, "profile_steps": args.profile_steps,
+                          "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
                           "requests": args.requests, "quick": args.quick},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],

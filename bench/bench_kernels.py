@@ -9,8 +9,8 @@ in one CUDA graph, replayed ``--graph-replays`` times between CUDA events: devic
 Op groups (``--groups``):
 
 - ``index``: ``alloc_extend`` (page sizes 1 and 16), ``assign_req_to_token``, ``gather_cache_locs``
-  and ``accepted_kv_moves`` for one speculative decode step of ``--batch`` requests (D draft nodes
-  each, contexts around ``--context``). Target: alloc/assign/gather <= 10 us of graph time.
+  and ``accepted_kv_moves`` for one speculative decode step of ``--batch`` requests (tree size D,
+  ``--tree-size``; contexts around ``--context``). Target: alloc/assign/gather <= 10 us of graph time.
 - ``kv``: ``store_kv`` of the step's B*D rows into one layer.
 - ``attention``: one layer's paged attention, SmolLM2-135M heads (9 query, 3 KV, 64 wide) and
   Llama-8B heads (32, 8, 128), bf16: decode of 1 and 16 requests at contexts 512, 4K and 32K and
@@ -128,7 +128,7 @@ def same(what: str, got, want) -> None:
 def bench_index(ctx: Context) -> None:
     args = ctx.args
     rng = random.Random(args.seed)
-    B, D = args.batch, args.nodes
+    B, D = args.batch, args.tree_size
     step = f"B={B}, D={D}"
     for page_size in (1, 16):
         scene = Scene(ctx.ref, args, page_size, rng)
@@ -166,7 +166,7 @@ def bench_index(ctx: Context) -> None:
 def bench_kv(ctx: Context) -> None:
     args = ctx.args
     L, H, d = args.store_shape
-    n = args.batch * args.nodes
+    n = args.batch * args.tree_size
     gen = torch.Generator(device=ctx.device).manual_seed(args.seed)
     locs = torch.randperm(2 * n, generator=gen, device=ctx.device)[:n]
     k = torch.randn((n, H, d), generator=gen, device=ctx.device).to(torch.bfloat16)
@@ -410,7 +410,7 @@ def main(argv=None):
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"op groups, comma separated ({', '.join(GROUPS)})")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run (the CPU interpreter)")
     parser.add_argument("--batch", type=int, default=256, help="requests B of the index ops (default: 256)")
-    parser.add_argument("--nodes", type=int, default=16, help="draft tree nodes D (default: 16)")
+    parser.add_argument("--tree-size", type=int, default=16, metavar="D", help="draft tree size D (default: 16)")
     parser.add_argument("--context", type=int, default=1024, help="mean context per request (default: 1024)")
     parser.add_argument("--repeats", type=int, default=50, help="host-timed calls per eager time (default: 50)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -430,7 +430,7 @@ def main(argv=None):
     if device.type == "cpu" and not interpreting():
         parser.error("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
     if args.quick:
-        args.batch, args.nodes, args.context = min(args.batch, 8), min(args.nodes, 4), min(args.context, 32)
+        args.batch, args.tree_size, args.context = min(args.batch, 8), min(args.tree_size, 4), min(args.context, 32)
         args.repeats, args.warmup, args.graph_calls, args.graph_replays = 3, 1, 2, 2
         args.copy_bytes = min(args.copy_bytes, 2**24)
     args.store_shape = (2, 2, 8) if args.quick else (30, 3, 64)
@@ -443,7 +443,7 @@ def main(argv=None):
     console = make_console()
     print_tables(ctx, console)
     report = {
-        **report_header("ngram-hal-bench-kernels/1", ctx.cuda),
+        **report_header("ngram-hal-bench-kernels/2", ctx.cuda),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "triton_interpreted": interpreting(),
         "copy_bandwidth_bytes_per_s": ctx.copy_bandwidth,

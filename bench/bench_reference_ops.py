@@ -1,7 +1,7 @@
 """Reference allocation, cache-location and KV ops against naive per-request Python loops.
 
-One speculative decode step of a batch: B requests of about ``--context`` tokens each, D draft
-tree nodes per request, a KV cache shaped like SmolLM2-135M (30 layers, 3 kv heads, head dim 64).
+One speculative decode step of a batch: B requests of about ``--context`` tokens each, tree size D
+(``--tree-size``), a KV cache shaped like SmolLM2-135M (30 layers, 3 kv heads, head dim 64).
 Each op runs through ``CpuBackend`` (vectorized, no host sync) and through a per-request Python
 loop that reads lengths back to the host, as a straightforward implementation would. Both see the
 same inputs and must give the same result before either is timed. Reports the median time of
@@ -125,7 +125,7 @@ class Scene:
     """B requests of ~context tokens whose slots were handed out in decode-sized rounds."""
 
     def __init__(self, backend: CpuBackend, args, page_size: int, rng: random.Random):
-        dev, B, D = backend.device, args.batch, args.nodes
+        dev, B, D = backend.device, args.batch, args.tree_size
         self.backend, self.page_size, self.B, self.D = backend, page_size, B, D
         self.seq = [args.context + rng.randint(-args.context // 8, args.context // 8) for _ in range(B)]
         # Each request holds seq + 2*D slots (the reserve ahead); the free list has room for the
@@ -174,7 +174,7 @@ class Scene:
 
 
 def bench_index_ops(backend, args, rng, timer: Timer) -> Scene:
-    D, B = args.nodes, args.batch
+    D, B = args.tree_size, args.batch
     for page_size in args.page_sizes:
         scene = Scene(backend, args, page_size, rng)
         inputs = scene.extend_inputs()
@@ -210,7 +210,7 @@ def bench_index_ops(backend, args, rng, timer: Timer) -> Scene:
 
 
 def bench_kv_ops(backend, args, scene: Scene, dtype_name: str, timer: Timer) -> None:
-    dev, dtype, B, D = backend.device, DTYPES[dtype_name], args.batch, args.nodes
+    dev, dtype, B, D = backend.device, DTYPES[dtype_name], args.batch, args.tree_size
     kv = KVCache(args.layers, scene.num_slots, args.heads, args.head_dim, dtype=dtype, device=dev)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     locs = scene.out_cache_loc
@@ -246,7 +246,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument("--batch", type=int, default=64, help="requests B (default: 64)")
-    parser.add_argument("--nodes", type=int, default=16, help="draft tree nodes D (default: 16)")
+    parser.add_argument("--tree-size", type=int, default=16, metavar="D", help="draft tree size D (default: 16)")
     parser.add_argument("--context", type=int, default=1024, help="mean context per request (default: 1024)")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--heads", type=int, default=3, help="kv heads (default: 3)")
@@ -277,7 +277,7 @@ def main(argv=None):
     results = timer.results
 
     table = make_table(f"reference ops vs per-request loops on {backend.device} "
-                       f"(B={args.batch}, D={args.nodes}, ctx~{args.context}, median of {args.repeats})",
+                       f"(B={args.batch}, D={args.tree_size}, ctx~{args.context}, median of {args.repeats})",
                        ("op", "dtype", "page", "work", "vectorized ms", "loop ms", "loop / vectorized"),
                        left=("op", "work"))
     for r in results:
@@ -287,8 +287,8 @@ def main(argv=None):
     console.print(table)
 
     report = {
-        **report_header("ngram-hal-bench-reference-ops/1", backend),
-        "config": {"batch": args.batch, "nodes": args.nodes, "context": args.context, "layers": args.layers,
+        **report_header("ngram-hal-bench-reference-ops/2", backend),
+        "config": {"batch": args.batch, "tree_size": args.tree_size, "context": args.context, "layers": args.layers,
                    "kv_heads": args.heads, "head_dim": args.head_dim, "dtypes": dtype_names,
                    "page_sizes": args.page_sizes, "repeats": args.repeats, "warmup": args.warmup,
                    "seed": args.seed, "kv_slots": scene.num_slots},

@@ -51,14 +51,14 @@ from ngram_hal.engine.tokenizer import Tokenizer  # noqa: E402
 from ngram_hal.engine.workload import load_prompts  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
 
-SCHEMA = "ngram-hal-bench-vs-transformers/1"
+SCHEMA = "ngram-hal-bench-vs-transformers/2"
 
 
 class Ours:
     """Our engine with one setting, serving one request at a time."""
 
-    def __init__(self, model, tok, spec_nodes: int, drafter: str, policy: str = "always"):
-        self.engine = Engine(model, tok, EngineConfig(spec_nodes=spec_nodes, drafter=drafter, spec_policy=policy,
+    def __init__(self, model, tok, tree_size: int, drafter: str, policy: str = "always"):
+        self.engine = Engine(model, tok, EngineConfig(tree_size=tree_size, drafter=drafter, spec_policy=policy,
                                                       max_running=1, num_slots=4096, max_context_len=2048))
 
     def __call__(self, ids: list[int], max_new: int) -> tuple[list[int], float, int]:
@@ -143,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                     help="weights and KV dtype of both sides (default auto: float32 on the CPU, bfloat16 elsewhere)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 on the CPU, 128 elsewhere")
-    ap.add_argument("--spec-nodes", type=int, default=8, help="our draft-tree nodes D")
+    ap.add_argument("--tree-size", type=int, default=8, metavar="D", help="our tree size D")
     ap.add_argument("--lookup-tokens", type=int, default=None,
                     help="transformers prompt_lookup_num_tokens (default D - 1: as many draft tokens as ours)")
     ap.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=None,
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lookup = args.lookup_tokens or args.spec_nodes - 1
+    lookup = args.lookup_tokens or args.tree_size - 1
     path = find_model_file()
     backend = get_backend(args.backend, device=args.device, require=OPS)
     model = LlamaModel.from_gguf(backend, path, DTYPES[args.dtype])
@@ -192,10 +192,10 @@ def main(argv=None) -> None:
     sync = backend.runtime.synchronize
     systems = {
         "ours_plain": Ours(model, tok, 1, "trie"),
-        "ours_trie": Ours(model, tok, args.spec_nodes, "trie"),
-        "ours_linear": Ours(model, tok, args.spec_nodes, "linear"),
-        "ours_auto": Ours(model, tok, args.spec_nodes, "trie", "auto"),
-        **({"ours_device": Ours(model, tok, args.spec_nodes, "device")} if default_drafter(backend) == "device" else {}),
+        "ours_trie": Ours(model, tok, args.tree_size, "trie"),
+        "ours_linear": Ours(model, tok, args.tree_size, "linear"),
+        "ours_auto": Ours(model, tok, args.tree_size, "trie", "auto"),
+        **({"ours_device": Ours(model, tok, args.tree_size, "device")} if default_drafter(backend) == "device" else {}),
         "hf_plain": Theirs(hf, tok.eos_token_id, sync),
         "hf_pld": Theirs(hf, tok.eos_token_id, sync, prompt_lookup_num_tokens=lookup),
     }
@@ -206,7 +206,7 @@ def main(argv=None) -> None:
     report = {**report_header(SCHEMA, backend), "transformers": transformers.__version__, "model": path.name,
               "dtype": dtype, "graphs": systems["ours_plain"].engine.graphs is not None,
               "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-              "spec_nodes": args.spec_nodes, "prompt_lookup_num_tokens": lookup, "settings": list(systems),
+              "tree_size": args.tree_size, "prompt_lookup_num_tokens": lookup, "settings": list(systems),
               "failed": {}, "groups": {}}
     failed = report["failed"]
 

@@ -26,7 +26,7 @@ def parents_of(tree_mask: np.ndarray) -> np.ndarray:
 
 def accepted_drafts(batch: DraftBatch, truth: np.ndarray) -> np.ndarray:
     """int64[B]: drafts accepted walking each tree from its root with ``truth`` int64[B, D-1]."""
-    B, D = batch.batch_size, batch.num_nodes
+    B, D = batch.batch_size, batch.tree_size
     tokens = batch.tokens.numpy().reshape(B, D)
     parents = parents_of(batch.tree_mask.numpy())
     cur = np.zeros(B, np.int64)
@@ -44,18 +44,18 @@ def accepted_drafts(batch: DraftBatch, truth: np.ndarray) -> np.ndarray:
 
 
 class Replay:
-    """Decode ``streams`` with ``drafter``, trees of ``num_nodes``.
+    """Decode ``streams`` with ``drafter``, trees of ``tree_size``.
 
     ``prompt_len``: the prompt's length, one for all streams or one per stream; the rest of each
     stream is the output to replay.
     """
 
     def __init__(self, drafter: Drafter, streams: Sequence[np.ndarray], prompt_len: int | Sequence[int],
-                 num_nodes: int):
+                 tree_size: int):
         self.drafter = drafter
         self.streams = [np.asarray(s, np.int64) for s in streams]
         self.rids = list(range(len(self.streams)))
-        self.num_nodes = num_nodes
+        self.tree_size = tree_size
         self.prompt_lens = np.broadcast_to(np.asarray(prompt_len, np.int64), (len(self.streams),)).copy()
         self.cursor = self.prompt_lens.copy()
         self.pending: list[list[int]] = [[] for _ in self.streams]
@@ -65,7 +65,7 @@ class Replay:
         start = time.perf_counter()
         for rid, stream, n in zip(self.rids, self.streams, self.prompt_lens):
             self.drafter.add_request(rid, stream[:n])
-        self.drafter.draft(self.rids, self.num_nodes)
+        self.drafter.draft(self.rids, self.tree_size)
         return time.perf_counter() - start
 
     def done(self) -> np.ndarray:
@@ -78,7 +78,7 @@ class Replay:
 
         Past the end of a stream nothing more is accepted (one token per step is still counted).
         """
-        D = self.num_nodes
+        D = self.tree_size
         start, start_cpu = time.perf_counter(), time.process_time()
         for rid, tokens in zip(self.rids, self.pending):
             if tokens:

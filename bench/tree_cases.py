@@ -38,30 +38,30 @@ class TreeVerifyCase:
         return getattr(backend, self.op)(**self.args)
 
 
-def bfs_parents(rng: random.Random, nodes: int) -> list[int]:
-    """A random tree of ``nodes`` nodes in BFS order as a parent list (-1 for the root): each node
+def bfs_parents(rng: random.Random, tree_size: int) -> list[int]:
+    """A random tree of ``tree_size`` nodes in BFS order as a parent list (-1 for the root): each node
     stays with the previous node's parent or moves on to a later node, so parents never decrease."""
     parents = [-1]
-    for i in range(1, nodes):
+    for i in range(1, tree_size):
         low = max(parents[-1], 0)
         parents.append(low if i == 1 or rng.random() < 0.5 else rng.randint(low, i - 1))
     return parents
 
 
-def tree_verify_cases(device, dtype: torch.dtype = torch.float32, batch: int = 64, nodes: int = 16,
+def tree_verify_cases(device, dtype: torch.dtype = torch.float32, batch: int = 64, tree_size: int = 16,
                       vocab: int = 49152, agree: float = 0.7, seed: int = 0) -> Iterator[TreeVerifyCase]:
     """``reconstruct_tree``, ``verify_tree_greedy`` and ``verify_tree_sample`` arguments.
 
     Args:
         device: where every tensor is built.
         dtype: of ``target_probs`` (float32, float16 or bfloat16); the coins are float32.
-        batch, nodes, vocab: B, D and V.
+        batch, tree_size, vocab: B, D and V.
         agree: the chance that the target's choice at a node with children is a child's token.
         seed: seeds the trees, tokens and probabilities.
     """
     rng = random.Random(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
-    B, D, V = batch, nodes, vocab
+    B, D, V = batch, tree_size, vocab
     parents = [bfs_parents(rng, D) for _ in range(B)]
     mask = mask_of(parents, device)
     seq_lens = torch.tensor([rng.randint(16, 4096) for _ in range(B)], dtype=I64, device=device)

@@ -1,5 +1,8 @@
 """The HAL: :class:`Backend`, the one interface the core calls.
 
+Each op is declared once, by :func:`~ngram_hal.declarations.declare` on its public method here
+(arguments and kinds, tied sizes, outputs, what it writes, its strict value rules); the op list
+:data:`OPS`, the conformance suite's tables and ``docs/ops.md`` derive from those declarations.
 Each public op validates its arguments through :mod:`ngram_hal.contract` (metadata only; value
 checks too when ``strict``) and then calls the subclass's ``_<op>``; when ``strict``, it also
 checks what ``_<op>`` returned (dtype, shape, device, sentinel range), so a backend's broken output
@@ -22,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from . import contract as c
-from .declarations import DECLARATIONS
+from .declarations import declarations, declare, declare_builder
 from .layout import AttentionLayout
 from .model_kernels import TorchLayerKernels
 from .runtime import Runtime
@@ -31,8 +34,9 @@ if TYPE_CHECKING:
     from .engine.config import LlamaConfig
     from .kv_cache import KVCache
 
-OPS: tuple[str, ...] = tuple(decl.name for decl in DECLARATIONS)
-"""The ops, in declaration order (:mod:`ngram_hal.declarations`)."""
+_ROW_RULES = ("req_pool_indices in [0, R)", "0 <= start <= end <= M")
+_TREE_RULES = ("retrieve_index in [0, B*D)", "retrieve links point to later nodes of the same tree, or -1")
+_VERIFY_OUT = ("accept_len in [1, D]", "accept_index: the root, then the accepted nodes of the request's own tree, -1 padded")
 
 
 class Capabilities(BaseModel):
@@ -134,6 +138,11 @@ class Backend:
 
     # ---------------------------------------------------------------- allocation
 
+    @declare("prefix_lens:index, seq_lens:index=, last_loc:index=, free_pages:index, page_size:int, num_new_tokens:int",
+             ("slots",), summary="slots for extending B requests: the rest of each last page, then whole free pages",
+             rules=("0 <= prefix_lens <= seq_lens", "num_new_tokens == sum(seq_lens - prefix_lens)",
+                    "enough free pages for every request", "last_loc >= 0 where the prefix is not empty",
+                    "free_pages distinct and >= 0", "out: slots >= 0"))
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
                      free_pages: torch.Tensor, page_size: int, num_new_tokens: int) -> torch.Tensor:
         """Slots for extending B requests from ``prefix_lens`` to ``seq_lens``.
@@ -197,6 +206,10 @@ class Backend:
             if bool((end < start).any()):
                 raise c.ContractError(op, "end", "need start <= end")
 
+    @declare("req_to_token:index, req_pool_indices:index, start:index=, end:index=, locs:index",
+             summary="in place: req_to_token[r_b, start_b:end_b] = the request's run of locs",
+             rules=(*_ROW_RULES, "len(locs) == sum(end - start)", "requests share a row only with disjoint ranges"),
+             writes=("req_to_token",))
     def assign_req_to_token(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                             start: torch.Tensor, end: torch.Tensor, locs: torch.Tensor) -> None:
         """In place: ``req_to_token[r_b, start_b:end_b] = locs[off_b : off_b + end_b - start_b]``.
@@ -217,6 +230,9 @@ class Backend:
             c.value_disjoint_rows(op, "req_pool_indices", req_pool_indices, start, end)
         fn(req_to_token, req_pool_indices, start, end, locs)
 
+    @declare("req_to_token:index, req_pool_indices:index, start:index=, end:index=, num_tokens:int", ("locs",),
+             summary="the cells req_to_token[r_b, start_b:end_b], request after request",
+             rules=(*_ROW_RULES, "num_tokens == sum(end - start)"))
     def gather_cache_locs(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           start: torch.Tensor, end: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
         """The inverse of :meth:`assign_req_to_token`: the cells ``req_to_token[r_b, start_b:end_b]``.
@@ -250,6 +266,9 @@ class Backend:
         if not c.same_device(kv.device, self.device):
             raise c.ContractError(op, "kv", f"expected a cache on {self.device}, got one on {kv.device}")
 
+    @declare("kv:kv, layer:int, locs:index, k:float=, v:float=",
+             summary="in place: one layer's K/V rows at locs (-1 skipped)",
+             rules=("layer in [0, L)", "locs in [0, S) or -1", "locs distinct"), writes=("kv",))
     def store_kv(self, kv: "KVCache", layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V rows: ``kv.k[layer, locs[i]] = k[i]`` (same for v); locs of -1 are skipped.
 
@@ -272,6 +291,9 @@ class Backend:
             c.value_distinct(op, "locs", locs)
         fn(kv, layer, locs, k, v)
 
+    @declare("kv:kv, src:index, dst:index=",
+             summary="in place, every layer: row[dst[i]] = row[src[i]], every read before any write",
+             rules=("src and dst in [0, S) or -1", "dst distinct where both sides are live"), writes=("kv",))
     def move_kv(self, kv: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
         """In every layer, K and V: ``row[dst[i]] = row[src[i]]``, all reads before any write.
 
@@ -293,6 +315,10 @@ class Backend:
             c.value_distinct(op, "dst", dst[live])
         fn(kv, src, dst)
 
+    @declare("out_cache_loc:index=, accept_index:index, req_to_token:index, req_pool_indices:index=, seq_lens:index=",
+             ("src", "dst"), summary="the moves that compact each request's accepted nodes into its next positions",
+             rules=("accept_index rows hold the request's own nodes, or -1", "req_pool_indices in [0, R)",
+                    "0 <= seq_lens and seq_lens + D <= M", "out: -1 from a request's first -1 in accept_index on"))
     def accepted_kv_moves(self, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +365,11 @@ class Backend:
 
     # ---------------------------------------------------------------- tree and verify
 
+    @declare("tree_mask:mask, seq_lens:index=",
+             ("positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"),
+             summary="positions and retrieve links of B draft trees",
+             rules=("tree_mask: each node sees itself and its ancestors, parents before children", "seq_lens >= 0",
+                    "out: positions >= 0", "out: retrieve_index in [0, B*D)", "out: links point to later nodes, or -1"))
     def reconstruct_tree(self, tree_mask: torch.Tensor, seq_lens: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions and retrieve links of B draft trees.
@@ -400,6 +431,10 @@ class Backend:
             c.value_range(op, "predicts", predicts, 0, vocab, allow_sentinel=False, output=True)
         c.value_accept_rows(op, accept_index, accept_len, retrieve_index)
 
+    @declare("candidates:index, retrieve_index:index=, retrieve_next_token:index=, retrieve_next_sibling:index=, "
+             "target_predict:index=", ("predicts", "accept_index", "accept_len"),
+             summary="greedy tree verification against the target's argmax",
+             rules=(*_TREE_RULES, *(f"out: {rule}" for rule in _VERIFY_OUT)))
     def verify_tree_greedy(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
                            retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
                            target_predict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,6 +462,12 @@ class Backend:
             self._check_verify_outputs(op, out, retrieve_index, None)
         return out
 
+    @declare("candidates:index, retrieve_index:index=, retrieve_next_token:index=, retrieve_next_sibling:index=, "
+             "target_probs:float=, uniform_samples:float=, uniform_final:float=", ("predicts", "accept_index", "accept_len"),
+             summary="tree rejection sampling: committed tokens follow target_probs exactly",
+             rules=(*_TREE_RULES, "candidates in [0, V)", "target_probs rows >= 0, summing to 1",
+                    "uniform_samples and uniform_final in [0, 1)", "out: predicts in [0, V)",
+                    *(f"out: {rule}" for rule in _VERIFY_OUT)))
     def verify_tree_sample(self, candidates: torch.Tensor, retrieve_index: torch.Tensor,
                            retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
                            target_probs: torch.Tensor, uniform_samples: torch.Tensor,
@@ -473,6 +514,8 @@ class Backend:
 
     # ---------------------------------------------------------------- attention
 
+    @declare_builder("attention", "req_to_token:index, req_pool_indices:index, kv_lens:index=, q_lens:index=, "
+                     "num_queries:int, tree_mask:mask=, max_kv_len:int, batch_invariant:flag")
     def attention_layout(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          kv_lens: torch.Tensor, q_lens: torch.Tensor, num_queries: int,
                          tree_mask: torch.Tensor | None = None, max_kv_len: int | None = None,
@@ -544,6 +587,12 @@ class Backend:
         """The backend's own precomputed work split for ``layout`` (None: nothing to precompute)."""
         return None
 
+    @declare("q:float=, kv:kv, layer:int, req_to_token:index, req_pool_indices:index, kv_lens:index=, q_lens:index=, "
+             "sm_scale:scalar, tree_mask:mask=, max_kv_len:int, layout:layout", ("out",),
+             summary="paged attention of B requests' queries over the cache: prefill, decode or tree",
+             rules=("rows of q == sum(q_lens)", "0 <= q_lens <= kv_lens", "req_pool_indices in [0, R)", "kv_lens <= M",
+                    "max_kv_len >= max(kv_lens)", "with a tree mask, every q_lens == D and a valid tree",
+                    "every slot read in [0, S)"))
     def attention(self, q: torch.Tensor, kv: "KVCache", layer: int, req_to_token: torch.Tensor,
                   req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                   sm_scale: float, tree_mask: torch.Tensor | None = None,
@@ -591,6 +640,12 @@ class Backend:
         if self.strict:
             c.check_float(op, "out", out, dev, shape=tuple(q.shape), dtypes=(q.dtype,), output=True)
         return out
+
+
+DECLARATIONS = declarations(Backend)
+"""Every op's declaration, in the order :class:`Backend` defines them (:mod:`ngram_hal.declarations`)."""
+OPS: tuple[str, ...] = tuple(decl.name for decl in DECLARATIONS)
+"""The ops, in declaration order."""
 
 
 def _unpack(op: str, out, names: tuple[str, ...]) -> tuple:

@@ -304,7 +304,7 @@ def value_read_slots(op: str, name: str, req_to_token: torch.Tensor, req_pool_in
 
 
 def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
-                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int,
+                           accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int,
                            live: torch.Tensor | None = None, out: torch.Tensor | None = None
                            ) -> tuple[int, int, int, int]:
     """Check the arguments of the device drafter's record-and-draft kernel
@@ -318,7 +318,7 @@ def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, acc
     total = check_index(op, "accept_tokens", accept_tokens, dev, ndim=1).shape[0]
     if B and total % B:
         raise ContractError(op, "accept_tokens", f"expected a multiple of B={B} entries, got {total}")
-    n = check_int(op, "num_nodes", num_nodes, minimum=1)
+    n = check_int(op, "tree_size", tree_size, minimum=1)
     if live is not None:
         check_index(op, "live", live, dev, shape=(1,))
     if out is not None:

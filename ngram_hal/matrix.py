@@ -1,6 +1,7 @@
 """Merge conformance reports into one backend x test matrix, as markdown and as HTML.
 
-A report is the JSON that the conformance suite writes (schema ``ngram-hal-conformance/1``).
+A report is the JSON that the conformance suite writes, a :class:`~ngram_hal.report_schema.ConformanceReport`
+(schema ``ngram-hal-conformance/1``).
 Rows are tests grouped by tier, then op; columns are backends, labelled ``(proxy)`` when the
 run was a proxy; each cell is the test's outcome on that backend (``not run`` when the report
 lacks the test) and, for the performance tier, the timings the test recorded (eager, graph
@@ -15,15 +16,12 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from .backend import OPS
+from .report_schema import REPORT_SCHEMA, TIERS, ConformanceReport, Hardware, TestResult
 
-SCHEMA = "ngram-hal-conformance/1"
-TIERS = ("registration", "contract", "semantics", "scale", "edge", "model", "engine", "performance")
-"""The conformance tiers in the order a backend clears them (the suite's `ngram_hal_conformance.TIERS`)."""
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
 NOT_RUN = "not run"
 
@@ -31,48 +29,14 @@ _MARKS = {"passed": "✅", "failed": "❌", "error": "💥", "xfailed": "⚠️"
           "skipped": "⏭️", NOT_RUN: "·"}
 
 
-class TestResult(BaseModel):
-    """One test of a report."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    op: str | None = None
-    tier: str | None = None
-    strict: bool | None = None
-    outcome: str
-    duration_s: float | None = None
-    message: str | None = None
-    properties: dict[str, Any] = {}
-
-
-class Report(BaseModel):
-    """A conformance report (only the fields the matrix reads are checked)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    schema_: str = Field(alias="schema")
-    backend: str
-    proxy: bool | None = None
-    versions: dict[str, Any] = {}
-    device: str | None = None
-    device_name: str | None = None
-    hardware: dict[str, Any] | None = None
-    sanitizer: dict[str, Any] | None = None
-    summary: dict[str, int] = {}
-    tests: list[TestResult]
-    created: str | None = None
-
-
-def hardware_text(report: Report) -> str:
+def hardware_text(report: ConformanceReport) -> str:
     """The device a run used, in words: ``"NVIDIA H200, sm_90, 140 GiB, 132 SMs, cuda 13.0"``
     (what the report knows of it; its device name alone for an older report; ``""`` for none)."""
-    hw = report.hardware or {}
-    memory = hw.get("memory_bytes")
-    parts = [hw.get("name") or report.device_name, hw.get("architecture"),
-             f"{memory / 2**30:.0f} GiB" if memory else None,
-             f"{hw['multiprocessors']} {'CPUs' if report.device == 'cpu' else 'SMs'}" if hw.get("multiprocessors") else None,
-             hw.get("runtime")]
+    hw = report.hardware or Hardware()
+    parts = [hw.name or report.device_name, hw.architecture,
+             f"{hw.memory_bytes / 2**30:.0f} GiB" if hw.memory_bytes else None,
+             f"{hw.multiprocessors} {'CPUs' if report.device == 'cpu' else 'SMs'}" if hw.multiprocessors else None,
+             hw.runtime]
     return ", ".join(str(p) for p in parts if p)
 
 
@@ -82,27 +46,26 @@ def column_header(column: "Column") -> str:
     return column.label + (f"<br>{hardware}" if hardware else "")
 
 
-def sanitizer_text(report: Report) -> str:
+def sanitizer_text(report: ConformanceReport) -> str:
     """``"memcheck: 0 errors"`` for a run under compute-sanitizer, ``""`` otherwise."""
     found = report.sanitizer
-    if not found:
+    if found is None:
         return ""
-    errors = found.get("errors")
-    return f"{found.get('tool')}: " + (f"{errors} errors" if errors is not None else "no error summary")
+    return f"{found.tool}: " + (f"{found.errors} errors" if found.errors is not None else "no error summary")
 
 
-def load_report(path: str | Path) -> Report:
+def load_report(path: str | Path) -> ConformanceReport:
     """Read and validate one report; ``ValueError`` naming the file when it is not one."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read a JSON report: {exc}") from exc
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected schema '{SCHEMA}', found {found!r}")
+        raise ValueError(f"{path}: expected schema '{REPORT_SCHEMA}', found {found!r}")
     try:
-        return Report.model_validate(data)
+        return ConformanceReport.model_validate(data)
     except ValidationError as exc:
         raise ValueError(f"{path}: not a valid conformance report: {exc}") from exc
 
@@ -112,7 +75,7 @@ class Column:
     """One backend run: its label, its report and its result for each test id."""
 
     label: str
-    report: Report
+    report: ConformanceReport
     results: dict[str, TestResult]
 
     def counts(self, test_ids: list[str]) -> Counter:
@@ -146,8 +109,8 @@ class Matrix:
         return column.results.get(row.test_id)
 
 
-def _labels(reports: list[Report]) -> list[str]:
-    base = [r.backend + (" (proxy)" if r.proxy else "") + (f" under {r.sanitizer.get('tool')}" if r.sanitizer else "")
+def _labels(reports: list[ConformanceReport]) -> list[str]:
+    base = [r.backend + (" (proxy)" if r.proxy else "") + (f" under {r.sanitizer.tool}" if r.sanitizer else "")
             for r in reports]
     labels = [b if base.count(b) == 1 else f"{b} [{r.device}]" for b, r in zip(base, reports, strict=True)]
     seen: Counter = Counter()
@@ -163,7 +126,7 @@ def sort_key(value: str, known: tuple[str, ...]) -> tuple[int, str]:
     return (known.index(value), "") if value in known else (len(known), value)
 
 
-def build_matrix(reports: list[Report]) -> Matrix:
+def build_matrix(reports: list[ConformanceReport]) -> Matrix:
     """Merge ``reports`` (one column each, in the order given) into a :class:`Matrix`."""
     if not reports:
         raise ValueError("no reports to merge")
@@ -208,8 +171,8 @@ def _md(text: str) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def _version(report: Report, key: str) -> str:
-    return str(report.versions.get(key) or "?")
+def _version(report: ConformanceReport, key: str) -> str:
+    return str(getattr(report.versions, key) or "?")
 
 
 def to_markdown(matrix: Matrix) -> str:
@@ -274,7 +237,7 @@ def _cls(outcome: str) -> str:
 def _html_cell(result: TestResult | None) -> str:
     if result is None:
         return f'<td class="o {_cls(NOT_RUN)}">{NOT_RUN}</td>'
-    parts = [f"{result.duration_s:.3f} s" if result.duration_s is not None else "", result.message or "",
+    parts = [f"{result.duration_s:.3f} s", result.message or "",
              str(result.properties.get("workload", "")), str(result.properties.get("graph_error", ""))]
     tip = " | ".join(p for p in parts if p)
     title = f' title="{html.escape(tip)}"' if tip else ""
@@ -299,11 +262,11 @@ def to_html(matrix: Matrix, title: str = "ngram-hal conformance matrix") -> str:
            "<th>sanitizer</th><th>created</th><th>tests</th></tr></thead><tbody>"]
     for col in matrix.columns:
         r = col.report
-        versions = ", ".join(f"{k} {v}" for k, v in r.versions.items() if v)
+        versions = ", ".join(f"{k} {v}" for k, v in r.versions.model_dump().items() if v)
         fields = [col.label, r.device or "?", hardware_text(r) or "?", "yes" if r.proxy else "no", versions,
                   sanitizer_text(r) or "-"]
         out.append("<tr>" + "".join(f"<td>{e(f)}</td>" for f in fields)
-                   + f'<td class="nowrap">{e(r.created or "")}</td><td>{e(summary_text(col.counts(ids)))}</td></tr>')
+                   + f'<td class="nowrap">{e(r.created)}</td><td>{e(summary_text(col.counts(ids)))}</td></tr>')
     out.append("</tbody></table>")
     out.append("<table><thead><tr><th>op</th><th>test</th>"
                + "".join(f"<th>{e(c.label)}" + (f'<br><span class="t">{e(hardware_text(c.report))}</span>'

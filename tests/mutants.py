@@ -4,7 +4,7 @@ Each mutant overrides one op of :class:`CpuBackend` (or one of its model kernels
 :data:`MODEL_KERNELS`) with a plausible bug and records
 ``fault`` (its fault class, one of :data:`FAULTS`), ``op`` and ``caught_by``: the conformance
 tests (stable ids without the strict-mode part) that must fail on it, in each of ``modes``
-(``"on"``, ``"off"``: the strict modes where the fault applies). ``tests/test_mutants.py`` runs
+(``"on"``, ``"off"``: the strict modes where the fault applies). ``tests/conformance/test_mutants.py`` runs
 the suite against every mutant with ``--backend mutants:<Class>``. Mutants may read device data
 on the host: they are test doubles, not backends.
 """
@@ -1052,10 +1052,10 @@ class LinearAddOverwritesTheStream(KernelMutant):
     caught_by = tuple(f"test_model_kernels.py::test_products_match_torch[{n}]" for n in (1, 3, 40))
 
 
-def _lookup_repeats_its_first_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, num_nodes, max_ngram,
+def _lookup_repeats_its_first_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, tree_size, max_ngram,
                                     min_ngram, live=None, out=None):
-    chains = record_and_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, num_nodes, max_ngram, min_ngram,
-                              live).view(-1, num_nodes).clone()
+    chains = record_and_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, tree_size, max_ngram, min_ngram,
+                              live).view(-1, tree_size).clone()
     chains[:, 2:] = chains[:, 1:-1].clone()  # the copy's position advanced one draft late
     chains = chains.view(-1)
     return chains if out is None else out.copy_(chains)

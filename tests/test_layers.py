@@ -1,4 +1,5 @@
-"""The layers point down only, and no modules import each other in a cycle.
+"""The layers point down only, and no modules import each other in a cycle; the tests are grouped
+by the layer they test and read no private names.
 
 Every import of the core package, the backend packages and the conformance suite is read from the
 source (module level and inside functions alike; imports made only for type annotations, under
@@ -22,7 +23,7 @@ PACKAGES = {"ngram_hal": ROOT / "ngram_hal", "ngram_hal_cuda": ROOT / "backends/
 # (layer, module prefixes), bottom first; a module belongs to the layer of its longest prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract types", ("ngram_hal.contract", "ngram_hal.declarations", "ngram_hal.kv_cache", "ngram_hal.layout",
-                        "ngram_hal.files", "ngram_hal.options")),
+                        "ngram_hal.files", "ngram_hal.options", "ngram_hal.report_schema")),
     ("hal", ("ngram_hal", "ngram_hal.backend", "ngram_hal.model_kernels", "ngram_hal.runtime", "ngram_hal.registry",
              "ngram_hal.proxy")),
     ("backends", ("ngram_hal.reference", "ngram_hal.kernels", "ngram_hal_cuda", "ngram_hal_rocm", "ngram_hal_npu")),
@@ -144,3 +145,42 @@ def test_the_checker_sees_a_back_arrow():
     """The rules catch what they are for: the contract layer importing the HAL would fail."""
     assert layer_of("ngram_hal.kv_cache") < layer_of("ngram_hal.backend") < layer_of("ngram_hal.kernels.triton.kv")
     assert "ngram_hal.kv_cache" in GRAPH["ngram_hal.kernels.triton.kv"]
+
+
+TESTS = ROOT / "tests"
+# The folders of tests/, one per layer (the reference backend and the conformance suite's own
+# machinery get theirs); only the checks that span the layers sit at the top.
+TEST_FOLDERS = ("hal", "reference", "backends", "speculative", "engine", "cli", "conformance", "bench")
+CROSS_LAYER_TESTS = ("test_layers.py", "test_ci_workflow.py")
+
+
+def test_tests_are_grouped_by_layer():
+    misplaced = [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
+                 if p.parent.name not in TEST_FOLDERS and not (p.parent == TESTS and p.name in CROSS_LAYER_TESTS)
+                 and "thirdparty" not in p.parts]
+    assert not misplaced, f"test modules outside the layer folders {TEST_FOLDERS}: {misplaced}"
+
+
+def private_reads(source: str) -> list[str]:
+    """Reads of a ``_name`` attribute of anything but ``self``, ``cls`` or ``super()`` (dunders
+    allowed): a test that reaches into a module's or an object's private state."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_reads_a_private_name():
+    reads = {str(p.relative_to(TESTS)): found for p in sorted(TESTS.rglob("*.py"))
+             if (found := private_reads(p.read_text(encoding="utf-8")))}
+    assert not reads, f"tests reading private names: {reads}"
+    assert private_reads("corpus._table.copy()\nsuper()._move_kv(kv, s, d)\nself._x = 1") == [
+        "line 1: corpus._table"]
+

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from . import TIERS
+from ngram_hal.report_schema import TIERS
+
 from .report import PROP_ID, PROP_OP, PROP_STRICT, PROP_TIER, ResultRecorder
 
 MARKER = "conformance"
@@ -330,8 +331,9 @@ class ReportWriter:
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         from ngram_hal.files import WriteError
+        from ngram_hal.report_schema import Hardware
 
-        from .report import Hardware, build_report, collect_versions, write_report
+        from .report import build_report, collect_versions, write_report
 
         suite = self.config.stash[_SUITE_KEY]
         target = capabilities = device_name = hardware = scale = None

@@ -1,9 +1,10 @@
-"""The JSON report of a conformance run (schema ``ngram-hal-conformance/1``).
+"""Writing the JSON report of a conformance run (schema ``ngram-hal-conformance/1``).
 
 The plugin feeds pytest's per-phase test reports to a :class:`ResultRecorder` and writes a
-:class:`ConformanceReport` at the end of the session. :func:`load_report` and
-:func:`write_report` are what other tools (the CLI, the matrix) reuse. The schema is documented
-in the package README.
+:class:`~ngram_hal.report_schema.ConformanceReport` at the end of the session with
+:func:`build_report` and :func:`write_report`. The models are declared in
+:mod:`ngram_hal.report_schema`; :func:`ngram_hal.matrix.load_report` reads a report back. The
+schema is documented in the package README.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import datetime as dt
 import re
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import torch
 
-from . import REPORT_SCHEMA, __version__
+from ngram_hal.files import write_atomic
+from ngram_hal.report_schema import ConformanceReport, Hardware, Outcome, Summary, TestResult, Versions
 
-Outcome = Literal["passed", "failed", "skipped", "xfailed", "xpassed", "error"]
+from . import __version__
 
 PROP_ID = "conformance.id"
 PROP_OP = "conformance.op"
@@ -26,87 +28,6 @@ PROP_TIER = "conformance.tier"
 PROP_STRICT = "conformance.strict"
 _OWN_PROPS = (PROP_ID, PROP_OP, PROP_TIER, PROP_STRICT)
 _MESSAGE_LIMIT = 2000
-
-
-class TestResult(BaseModel):
-    """One test: its stable id, what it covers, and how it ended."""
-
-    __test__ = False  # not a pytest test class
-
-    id: str
-    op: str | None = None
-    tier: str | None = None
-    strict: bool | None = None
-    outcome: Outcome
-    duration_s: float = 0.0
-    message: str | None = None
-    properties: dict[str, Any] = {}
-
-
-class Summary(BaseModel):
-    """Counts of outcomes; ``errors`` counts setup/teardown and collection errors."""
-
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
-    xfailed: int = 0
-    xpassed: int = 0
-    errors: int = 0
-
-
-class Versions(BaseModel):
-    """Versions of everything that decides the result; None when unknown or absent."""
-
-    ngram_hal: str | None
-    ngram_hal_conformance: str
-    backend_package: str | None
-    torch: str
-    triton: str | None
-    driver: str | None
-
-
-class Hardware(BaseModel):
-    """The device a run used (``ngram_hal.runtime.Runtime.hardware``); None where unknown."""
-
-    name: str | None = None
-    architecture: str | None = None
-    memory_bytes: int | None = None
-    multiprocessors: int | None = None
-    runtime: str | None = None
-
-
-class Sanitizer(BaseModel):
-    """A run under NVIDIA's compute-sanitizer: the tool, the errors it counted (its ``ERROR
-    SUMMARY``; None when it printed none, e.g. it did not start), its version and the first lines
-    of its error reports."""
-
-    tool: str
-    errors: int | None
-    version: str | None = None
-    exit_code: int
-    first_errors: list[str] = []
-
-
-class ConformanceReport(BaseModel):
-    """A whole run against one backend."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    schema_: str = Field(REPORT_SCHEMA, alias="schema")
-    backend: str
-    target: str | None
-    proxy: bool | None
-    versions: Versions
-    device: str | None
-    device_name: str | None = None
-    hardware: Hardware | None = None
-    strict_modes: list[bool]
-    scale: str | None = None
-    sanitizer: Sanitizer | None = None
-    capabilities: dict[str, Any] | None
-    summary: Summary
-    tests: list[TestResult]
-    created: str
 
 
 def summarize(tests: list[TestResult]) -> Summary:
@@ -137,17 +58,7 @@ def write_report(report: ConformanceReport, path: str | Path) -> Path:
     Raises:
         ngram_hal.files.WriteError: the file cannot be written (the message names ``path``).
     """
-    from ngram_hal.files import write_atomic  # here: importing ngram_hal imports torch
-
     return write_atomic(path, report.model_dump_json(by_alias=True, indent=2) + "\n")
-
-
-def load_report(path: str | Path) -> ConformanceReport:
-    """Read and validate a report; ``ValueError`` when it is not schema ``ngram-hal-conformance/1``."""
-    report = ConformanceReport.model_validate_json(Path(path).read_text())
-    if report.schema_ != REPORT_SCHEMA:
-        raise ValueError(f"{path}: schema '{report.schema_}', expected '{REPORT_SCHEMA}'")
-    return report
 
 
 # ---------------------------------------------------------------- from pytest's reports
@@ -227,8 +138,6 @@ def _clip(text: str) -> str:
 
 def collect_versions(backend_package: str | None, device: str | None) -> Versions:
     """Versions of ngram-hal, this suite, the backend's package, torch, Triton and the driver."""
-    import torch  # here, not at module level: the plugin imports this module in every pytest run
-
     return Versions(ngram_hal=_dist_version("ngram-hal"), ngram_hal_conformance=__version__,
                     backend_package=backend_package, torch=torch.__version__,
                     triton=next(filter(None, map(_dist_version, ("triton", "pytorch-triton-rocm",
@@ -239,8 +148,6 @@ def collect_versions(backend_package: str | None, device: str | None) -> Version
 def driver_version(device: str) -> str | None:
     """The kernel driver of ``device``'s vendor (``"nvidia 550.54.15"``, ``"amdgpu 6.8.5"``,
     ``"ascend 24.1"``), read from files the driver exposes; None on the CPU or when unknown."""
-    import torch
-
     kind = torch.device(device).type
     if kind == "cuda" and torch.version.hip:
         found = _read_match("/sys/module/amdgpu/version", r"(\S+)")

@@ -3,7 +3,11 @@ with the reference backend and with the ops' literal definitions (``oracle``).""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +19,110 @@ PAGE_SIZES = (1, 2, 4, 16)
 rngs = st.randoms(use_true_random=False)
 
 
+def alloc_extend_call(rng: random.Random, device, batch: int, page_size: int, max_len: int, spare_pages: int = 2,
+                      extend: int | None = None) -> cases.Call:
+    """B requests with random prefixes (up to ``max_len``) held in random pages, extended by random
+    lengths up to ``max_len`` (by ``extend`` each when given); the free list holds the remaining
+    pages in random order (enough, plus ``spare_pages``)."""
+    prefix = [rng.randint(0, max_len) for _ in range(batch)]
+    seq = [p + (rng.randint(0, max_len) if extend is None else extend) for p in prefix]
+    held = [math.ceil(p / page_size) for p in prefix]
+    need = [math.ceil(s / page_size) - h for s, h in zip(seq, held)]
+    pages = list(range(sum(held) + sum(need) + spare_pages))
+    rng.shuffle(pages)
+    last_loc, at = [], 0
+    for b in range(batch):
+        own = pages[at:at + held[b]]
+        at += held[b]
+        last_loc.append(own[-1] * page_size + (prefix[b] - 1) % page_size if own else -1)
+    free = pages[at:]
+    return cases.Call("alloc_extend", {
+        "prefix_lens": cases.index(prefix, device), "seq_lens": cases.index(seq, device), "last_loc": cases.index(last_loc, device),
+        "free_pages": cases.index(free, device), "page_size": page_size,
+        "num_new_tokens": sum(s - p for s, p in zip(seq, prefix))})
+
+
+def _loc(rng: random.Random, num_slots: int) -> int:
+    """A slot id, or -1 one time in four."""
+    return -1 if rng.random() < 0.25 else rng.randrange(num_slots)
+
+
+def _req_rows(rng: random.Random, device, batch: int, rows: int, max_context: int, num_slots: int):
+    table = [[_loc(rng, num_slots) for _ in range(max_context)] for _ in range(rows)]
+    pool = rng.sample(range(rows), batch)
+    bounds = [sorted((rng.randint(0, max_context), rng.randint(0, max_context))) for _ in range(batch)]
+    args = {"req_to_token": cases.index(table, device), "req_pool_indices": cases.index(pool, device),
+            "start": cases.index([a for a, _ in bounds], device), "end": cases.index([b for _, b in bounds], device)}
+    return args, sum(b - a for a, b in bounds)
+
+
+def assign_req_to_token_call(rng: random.Random, device, batch: int, rows: int, max_context: int,
+                             num_slots: int = 64) -> cases.Call:
+    """Distinct request rows, random ``start <= end`` ranges, random locs (a quarter -1)."""
+    args, n = _req_rows(rng, device, batch, rows, max_context, num_slots)
+    args["locs"] = cases.index([_loc(rng, num_slots) for _ in range(n)], device)
+    return cases.Call("assign_req_to_token", args)
+
+
+def gather_cache_locs_call(rng: random.Random, device, batch: int, rows: int, max_context: int,
+                           num_slots: int = 64) -> cases.Call:
+    """Distinct request rows and random ``start <= end`` ranges over a random table (a quarter -1)."""
+    args, n = _req_rows(rng, device, batch, rows, max_context, num_slots)
+    args["num_tokens"] = n
+    return cases.Call("gather_cache_locs", args)
+
+
+@cases.minimal_call("alloc_extend")
+def _minimal_alloc_extend(rng, device, page_size, dtype):
+    return alloc_extend_call(rng, device, batch=3, page_size=page_size, max_len=9)
+
+
+@cases.minimal_call("assign_req_to_token")
+def _minimal_assign(rng, device, page_size, dtype):
+    return assign_req_to_token_call(rng, device, batch=3, rows=4, max_context=12)
+
+
+@cases.minimal_call("gather_cache_locs")
+def _minimal_gather(rng, device, page_size, dtype):
+    return gather_cache_locs_call(rng, device, batch=3, rows=4, max_context=12)
+
+
+@cases.timed_call("alloc_extend")
+def _timed_alloc_extend(rng, backend, device):
+    B, D, context = cases.TIMED_BATCH, cases.TIMED_NODES, cases.TIMED_CONTEXT
+    page_size = cases.supported(backend)[0]
+    call = alloc_extend_call(rng, device, B, page_size, context, extend=D)
+    return call, f"{B} requests extended by {D} tokens, contexts up to {context}, page size {page_size}"
+
+
+def _timed_table(device):
+    B, context = cases.TIMED_BATCH, cases.TIMED_CONTEXT
+    table = torch.randint(0, B * context, (B, context), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = torch.randperm(B, generator=torch.Generator().manual_seed(1)).to(device)
+    return table, rows
+
+
+@cases.timed_call("assign_req_to_token")
+def _timed_assign(rng, backend, device):
+    B, D, context = cases.TIMED_BATCH, cases.TIMED_NODES, cases.TIMED_CONTEXT
+    table, rows = _timed_table(device)
+    start = torch.randint(0, context - D, (B,), generator=torch.Generator().manual_seed(2)).to(device)
+    locs = torch.arange(B * D, dtype=torch.int64, device=device)
+    return (cases.Call("assign_req_to_token", {"req_to_token": table, "req_pool_indices": rows, "start": start,
+                                               "end": start + D, "locs": locs}),
+            f"{B} requests x {D} tokens into a {B} x {context} table")
+
+
+@cases.timed_call("gather_cache_locs")
+def _timed_gather(rng, backend, device):
+    B, context = cases.TIMED_BATCH, cases.TIMED_CONTEXT
+    table, rows = _timed_table(device)
+    zeros, ends = torch.zeros(B, dtype=torch.int64, device=device), torch.full((B,), context, device=device)
+    return (cases.Call("gather_cache_locs", {"req_to_token": table, "req_pool_indices": rows, "start": zeros,
+                                             "end": ends, "num_tokens": B * context}),
+            f"{B} whole contexts of {context} tokens")
+
+
 def _page_sizes(backend) -> list[int]:
     listed = backend.capabilities().page_sizes
     return [p for p in PAGE_SIZES if listed is None or p in listed] or list(listed)
@@ -24,7 +132,7 @@ def _page_sizes(backend) -> list[int]:
 @given(data=st.data(), rng=rngs, batch=st.integers(1, 8), max_len=st.integers(0, 40), spare=st.integers(0, 3))
 def test_alloc_extend_matches(backend, reference, device, data, rng, batch, max_len, spare):
     page_size = data.draw(st.sampled_from(_page_sizes(backend)), label="page_size")
-    call = cases.alloc_extend(rng, device, batch, page_size, max_len, spare)
+    call = alloc_extend_call(rng, device, batch, page_size, max_len, spare)
     got = call.run(backend)
     assert_index_output(got, device, (call.args["num_new_tokens"],), "alloc_extend output")
     assert_equal(got, call.run(reference), "alloc_extend vs reference")
@@ -91,7 +199,7 @@ def test_assign_shared_row_disjoint_ranges(backend, reference, device):
 @conformance(op="assign_req_to_token", tier="semantics")
 @given(rng=rngs, batch=st.integers(1, 8), extra_rows=st.integers(0, 3), max_context=st.integers(1, 24))
 def test_assign_req_to_token_matches(backend, reference, device, rng, batch, extra_rows, max_context):
-    call = cases.assign_req_to_token(rng, device, batch, batch + extra_rows, max_context)
+    call = assign_req_to_token_call(rng, device, batch, batch + extra_rows, max_context)
     mine, ref = call.clone(), call.clone()
     assert mine.run(backend) is None
     ref.run(reference)
@@ -104,7 +212,7 @@ def test_assign_req_to_token_matches(backend, reference, device, rng, batch, ext
 @conformance(op="gather_cache_locs", tier="semantics")
 @given(rng=rngs, batch=st.integers(1, 8), extra_rows=st.integers(0, 3), max_context=st.integers(1, 24))
 def test_gather_cache_locs_matches(backend, reference, device, rng, batch, extra_rows, max_context):
-    call = cases.gather_cache_locs(rng, device, batch, batch + extra_rows, max_context)
+    call = gather_cache_locs_call(rng, device, batch, batch + extra_rows, max_context)
     got = call.run(backend)
     assert_index_output(got, device, (call.args["num_tokens"],), "gather_cache_locs output")
     assert_equal(got, call.run(reference), "gather_cache_locs vs reference")
@@ -117,7 +225,7 @@ def test_gather_cache_locs_matches(backend, reference, device, rng, batch, extra
 @given(rng=rngs, batch=st.integers(1, 8), max_context=st.integers(1, 24))
 def test_gather_inverts_assign(backend, device, rng, batch, max_context):
     """gather_cache_locs over the ranges just assigned returns the assigned locs."""
-    call = cases.assign_req_to_token(rng, device, batch, batch, max_context)
+    call = assign_req_to_token_call(rng, device, batch, batch, max_context)
     call.run(backend)
     args = {k: call.args[k] for k in ("req_to_token", "req_pool_indices", "start", "end")}
     back = backend.gather_cache_locs(**args, num_tokens=call.args["locs"].numel())

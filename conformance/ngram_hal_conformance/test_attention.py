@@ -25,6 +25,30 @@ from .checks import assert_unchanged, host, rejects, snapshot
 conformance = pytest.mark.conformance
 rngs = st.randoms(use_true_random=False)
 
+
+@cases.minimal_call("attention")
+def _minimal_attention(rng, device, page_size, dtype):
+    """A tree verify (every tensor argument present): request 0 has 2 cached positions and a
+    3-node chain, request 1 a root with two children."""
+    rng = random.Random("attention")
+    kv = cases.random_kv(rng, device, 2, 12, 1, 4, dtype)
+    return cases.Call("attention", {"q": cases.random_rows(rng, device, 6, 2, 4, dtype), "kv": kv, "layer": 1,
+                                    **_minimal_layout_args(device), "sm_scale": 0.5})
+
+
+@cases.minimal_call("attention_layout")
+def _minimal_layout(rng, device, page_size, dtype):
+    return cases.Call("attention", {**_minimal_layout_args(device), "num_queries": 6}, method="attention_layout")
+
+
+def _minimal_layout_args(device) -> dict:
+    mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]], [[1, 0, 0], [1, 1, 0], [1, 0, 1]]],
+                        dtype=torch.bool, device=device)
+    table = cases.index([[0, 1, 2, 3, 4, -1], [5, 6, 7, -1, -1, -1], [8, 9, 10, 11, -1, -1]], device)
+    return {"req_to_token": table, "req_pool_indices": cases.index([0, 2], device),
+            "kv_lens": cases.index([5, 3], device), "q_lens": cases.index([3, 3], device), "tree_mask": mask,
+            "max_kv_len": 5}
+
 # (atol, rtol) against the float64 result, per dtype of q and the cache. float32 allows
 # TF32-class matmuls; half types allow rounding of the inputs' products and of the output.
 TOLERANCE = {torch.float32: (1e-3, 1e-3), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}

@@ -27,6 +27,7 @@ import torch
 from ngram_hal.kv_cache import KVCache
 
 from . import cases, oracle
+from . import test_kv as kv_cases
 from .checks import assert_bitwise, host, slots
 from .test_attention import attention_call
 from .test_scale import check_attention
@@ -87,7 +88,7 @@ def test_move_kv_keeps_special_values(backend, device, kv_dtype):
     kv = cases.random_kv(rng, device, 2, 24, 2, 8, kv_dtype)
     kv.k[:, :24] = special_rows(rng, device, 48, 2, 8, kv_dtype).view(2, 24, 2, 8)
     kv.v[:, :24] = special_rows(rng, device, 48, 2, 8, kv_dtype).view(2, 24, 2, 8)
-    call = cases.move_kv(rng, device, kv, 16, "cycle")
+    call = kv_cases.move_kv_call(rng, device, kv, 16, "cycle")
     src, dst = call.args["src"].tolist(), call.args["dst"].tolist()
     want_k, want_v = oracle.move_kv(host(kv.k), src, dst), oracle.move_kv(host(kv.v), src, dst)
     backend.move_kv(**call.args)

@@ -39,12 +39,12 @@ class Decode:
     and verify steps per request, after each step the host K/V ``[L, n, H, d]`` of the committed
     positions of every running request, and how often the engine called each HAL op (``calls``)."""
 
-    def __init__(self, backend, spec_nodes: int, page_size: int = 1):
+    def __init__(self, backend, tree_size: int, page_size: int = 1):
         self.calls: Counter[str] = Counter()
         for op in OPS:
             setattr(backend, op, self._counted(op, getattr(backend, op)))
         try:
-            self._decode(backend, spec_nodes, page_size)
+            self._decode(backend, tree_size, page_size)
         finally:
             for op in OPS:
                 delattr(backend, op)
@@ -55,9 +55,9 @@ class Decode:
             return method(*args, **kwargs)
         return call
 
-    def _decode(self, backend, spec_nodes: int, page_size: int) -> None:
+    def _decode(self, backend, tree_size: int, page_size: int) -> None:
         model = LlamaModel.random(TINY, backend, seed=3)
-        engine = Engine(model, None, EngineConfig(spec_nodes=spec_nodes, num_slots=512, max_context_len=128,
+        engine = Engine(model, None, EngineConfig(tree_size=tree_size, num_slots=512, max_context_len=128,
                                                   page_size=page_size))
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
         rids = [engine.add_request(p, params, rid=f"prompt{i}") for i, p in enumerate(PROMPTS)]
@@ -84,10 +84,10 @@ def reference_decode(reference):
     """The reference backend's decode for a spec size and page size, run once per module."""
     runs: dict[tuple[int, int], Decode] = {}
 
-    def run(spec_nodes: int, page_size: int = 1) -> Decode:
-        if (spec_nodes, page_size) not in runs:
-            runs[(spec_nodes, page_size)] = Decode(reference, spec_nodes, page_size)
-        return runs[(spec_nodes, page_size)]
+    def run(tree_size: int, page_size: int = 1) -> Decode:
+        if (tree_size, page_size) not in runs:
+            runs[(tree_size, page_size)] = Decode(reference, tree_size, page_size)
+        return runs[(tree_size, page_size)]
 
     return run
 
@@ -108,26 +108,26 @@ def _assert_same_kv(got: Decode, want: Decode) -> None:
 
 @pytest.mark.conformance(op=ENGINE_OPS, tier="engine")
 @pytest.mark.filterwarnings("ignore:record_property is incompatible with junit_family")
-@pytest.mark.parametrize("spec_nodes,page_size", [(1, 1), (4, 1), (4, 16)], ids=["no-spec", "spec-4", "spec-4-page-16"])
-def test_greedy_decode_matches_reference(backend, reference_decode, spec_nodes, page_size, record_property):
+@pytest.mark.parametrize("tree_size,page_size", [(1, 1), (4, 1), (4, 16)], ids=["no-spec", "spec-4", "spec-4-page-16"])
+def test_greedy_decode_matches_reference(backend, reference_decode, tree_size, page_size, record_property):
     """K/V after every step, token ids and verify steps of a batched greedy decode, its KV slots
     in pages of 1 or 16, equal the reference backend's (and, in pages of 16, the reference's in
     pages of 1); the engine calls only the ops the test is filed under."""
     listed = backend.capabilities().page_sizes
     if listed is not None and page_size not in listed:
         pytest.skip(f"the backend lists page sizes {listed}; this case uses {page_size}")
-    got, want = Decode(backend, spec_nodes, page_size), reference_decode(spec_nodes, page_size)
+    got, want = Decode(backend, tree_size, page_size), reference_decode(tree_size, page_size)
     record_property("engine_ops", ",".join(sorted(got.calls)))
     called = set(got.calls)
     assert called <= set(ENGINE_OPS), f"the engine called ops not in ENGINE_OPS: {sorted(called - set(ENGINE_OPS))}"
-    if spec_nodes > 1:
+    if tree_size > 1:
         assert SPECULATIVE_OPS <= called, f"a speculative decode never called {sorted(SPECULATIVE_OPS - called)}"
     assert all(len(t) == NEW_TOKENS for t in want.tokens)
-    if spec_nodes > 1:
+    if tree_size > 1:
         assert want.verify_steps < len(PROMPTS) * NEW_TOKENS, "the workload must accept drafts to cover speculation"
     _assert_same_kv(got, want)
     assert got.tokens == want.tokens, "greedy tokens differ from the reference backend"
     assert got.verify_steps == want.verify_steps, "verify steps differ from the reference backend"
     assert len(got.kv_steps) == len(want.kv_steps), "engine steps differ from the reference backend"
     if page_size > 1:
-        assert want.tokens == reference_decode(spec_nodes).tokens, "the reference's tokens depend on the page size"
+        assert want.tokens == reference_decode(tree_size).tokens, "the reference's tokens depend on the page size"

@@ -11,11 +11,131 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ngram_hal.kv_cache import KVCache
+
 from . import cases, oracle
 from .checks import assert_bitwise, assert_equal, assert_index_output, host, slots
 
 conformance = pytest.mark.conformance
 rngs = st.randoms(use_true_random=False)
+
+
+def store_kv_call(rng: random.Random, device, kv: KVCache, n: int, holes: int) -> cases.Call:
+    """``n`` distinct locs with ``holes`` -1 entries mixed in, random rows of the cache's dtype."""
+    locs = rng.sample(range(kv.num_slots), n) + [-1] * holes
+    rng.shuffle(locs)
+    total = n + holes
+    return cases.Call("store_kv", {
+        "kv": kv, "layer": rng.randrange(kv.num_layers), "locs": cases.index(locs, device),
+        "k": cases.random_rows(rng, device, total, kv.num_heads, kv.head_dim, kv.dtype),
+        "v": cases.random_rows(rng, device, total, kv.num_heads, kv.head_dim, kv.dtype)})
+
+
+MOVE_PATTERNS = ("random", "cycle", "chain")
+
+
+def move_kv_call(rng: random.Random, device, kv: KVCache, n: int, pattern: str, sentinel_rate: float = 0.0,
+                 identity_rate: float = 0.0) -> cases.Call:
+    """``n`` move pairs over the cache's slots with distinct destinations.
+
+    ``random``: any sources (often other pairs' destinations); ``cycle``: a permutation of ``n``
+    slots (cycles, fixed points are ``src == dst``); ``chain``: ``a0->a1->...->an``. The pair order
+    is shuffled. Then each pair turns into ``src == dst`` with ``identity_rate`` and gets a -1 on
+    one side with ``sentinel_rate``.
+    """
+    S = kv.num_slots
+    if pattern == "random":
+        dst = rng.sample(range(S), n)
+        src = [rng.randrange(S) for _ in range(n)]
+    elif pattern == "cycle":
+        src = rng.sample(range(S), n)
+        dst = src[:]
+        rng.shuffle(dst)
+    elif pattern == "chain":
+        slots = rng.sample(range(S), n + 1)
+        src, dst = slots[:-1], slots[1:]
+    else:
+        raise ValueError(f"unknown move pattern {pattern!r}")
+    pairs = list(zip(src, dst))
+    rng.shuffle(pairs)
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+    for i in range(n):
+        if rng.random() < identity_rate:
+            src[i] = dst[i]
+        if rng.random() < sentinel_rate:
+            if rng.random() < 0.5:
+                src[i] = -1
+            else:
+                dst[i] = -1
+    return cases.Call("move_kv", {"kv": kv, "src": cases.index(src, device), "dst": cases.index(dst, device)},
+                {"pattern": pattern})
+
+
+def accepted_kv_moves_call(rng: random.Random, device, batch: int, depth: int, rows: int, max_context: int,
+                           num_slots: int) -> cases.Call:
+    """B draft trees of D nodes in distinct slots; per request a root-first increasing run of
+    accepted nodes (-1 padded); random ``req_to_token`` rows and ``seq_lens + D <= M``."""
+    B, D = batch, depth
+    out_cache_loc = rng.sample(range(num_slots), B * D)
+    accept = []
+    for b in range(B):
+        n = rng.randint(1, D)
+        nodes = [0] + sorted(rng.sample(range(1, D), n - 1))
+        accept.append([b * D + i for i in nodes] + [-1] * (D - n))
+    table = [[rng.randrange(num_slots) for _ in range(max_context)] for _ in range(rows)]
+    return cases.Call("accepted_kv_moves", {
+        "out_cache_loc": cases.index(out_cache_loc, device), "accept_index": cases.index(accept, device),
+        "req_to_token": cases.index(table, device), "req_pool_indices": cases.index(rng.sample(range(rows), B), device),
+        "seq_lens": cases.index([rng.randint(0, max_context - D) for _ in range(B)], device)})
+
+
+@cases.minimal_call("store_kv")
+def _minimal_store(rng, device, page_size, dtype):
+    return store_kv_call(rng, device, cases.random_kv(rng, device, 2, 16, 2, 4, dtype), n=5, holes=2)
+
+
+@cases.minimal_call("move_kv")
+def _minimal_move(rng, device, page_size, dtype):
+    return move_kv_call(rng, device, cases.random_kv(rng, device, 2, 16, 2, 4, dtype), n=6, pattern="chain",
+                        sentinel_rate=0.3)
+
+
+@cases.minimal_call("accepted_kv_moves")
+def _minimal_accepted(rng, device, page_size, dtype):
+    return accepted_kv_moves_call(rng, device, batch=3, depth=4, rows=5, max_context=12, num_slots=32)
+
+
+def _timed_cache(rng, backend, device):
+    dtype = cases.kv_half_dtype(backend)
+    kv = cases.random_kv(rng, device, cases.TIMED_LAYERS, cases.TIMED_SLOTS, cases.TIMED_HEADS,
+                         cases.TIMED_HEAD_DIM, dtype)
+    what = (f"{cases.TIMED_LAYERS} layers x {cases.TIMED_SLOTS} slots x {cases.TIMED_HEADS} heads x "
+            f"{cases.TIMED_HEAD_DIM}, {str(dtype).removeprefix('torch.')}")
+    return kv, what
+
+
+@cases.timed_call("store_kv")
+def _timed_store(rng, backend, device):
+    kv, what = _timed_cache(rng, backend, device)
+    rows = cases.TIMED_BATCH * cases.TIMED_NODES
+    return store_kv_call(rng, device, kv, rows, 0), f"{rows} rows into one layer of {what}"
+
+
+@cases.timed_call("move_kv")
+def _timed_move(rng, backend, device):
+    kv, what = _timed_cache(rng, backend, device)
+    pairs = cases.TIMED_BATCH * cases.TIMED_NODES
+    slots_ = rng.sample(range(cases.TIMED_SLOTS), 2 * pairs)
+    return (cases.Call("move_kv", {"kv": kv, "src": cases.index(slots_[:pairs], device),
+                                   "dst": cases.index(slots_[pairs:], device)}),
+            f"{pairs} pairs over {what}")
+
+
+@cases.timed_call("accepted_kv_moves")
+def _timed_accepted(rng, backend, device):
+    B, D, context = cases.TIMED_BATCH, cases.TIMED_NODES, cases.TIMED_CONTEXT
+    return (accepted_kv_moves_call(rng, device, B, D, B, context, B * context),
+            f"{B} requests x {D} nodes, contexts of {context}")
 
 
 def _kv_dtypes(backend) -> list[torch.dtype]:
@@ -50,7 +170,7 @@ def test_store_kv_matches(backend, reference, device, data, rng, layers, num_slo
     dtype = data.draw(st.sampled_from(_kv_dtypes(backend)), label="dtype")
     n = data.draw(st.integers(0, num_slots), label="n")
     kv = cases.random_kv(rng, device, layers, num_slots, heads, head_dim, dtype)
-    call = cases.store_kv(rng, device, kv, n, holes)
+    call = store_kv_call(rng, device, kv, n, holes)
     mine, ref = _run_kv(backend, reference, call)
     locs, layer = call.args["locs"].tolist(), call.args["layer"]
     _assert_kv(mine, ref, oracle.store_kv(host(kv.k), layer, locs, host(call.args["k"])),
@@ -58,7 +178,7 @@ def test_store_kv_matches(backend, reference, device, data, rng, layers, num_slo
 
 
 @conformance(op="move_kv", tier="semantics")
-@given(data=st.data(), rng=rngs, pattern=st.sampled_from(cases.MOVE_PATTERNS), num_slots=st.integers(2, 48),
+@given(data=st.data(), rng=rngs, pattern=st.sampled_from(MOVE_PATTERNS), num_slots=st.integers(2, 48),
        layers=st.integers(1, 3), sentinel_rate=st.sampled_from([0.0, 0.3]),
        identity_rate=st.sampled_from([0.0, 0.2]))
 def test_move_kv_matches(backend, reference, device, data, rng, pattern, num_slots, layers, sentinel_rate,
@@ -67,7 +187,7 @@ def test_move_kv_matches(backend, reference, device, data, rng, pattern, num_slo
     dtype = data.draw(st.sampled_from(_kv_dtypes(backend)), label="dtype")
     n = data.draw(st.integers(1, num_slots - 1 if pattern == "chain" else num_slots), label="n")
     kv = cases.random_kv(rng, device, layers, num_slots, 2, 4, dtype)
-    call = cases.move_kv(rng, device, kv, n, pattern, sentinel_rate, identity_rate)
+    call = move_kv_call(rng, device, kv, n, pattern, sentinel_rate, identity_rate)
     mine, ref = _run_kv(backend, reference, call)
     src, dst = call.args["src"].tolist(), call.args["dst"].tolist()
     _assert_kv(mine, ref, oracle.move_kv(host(kv.k), src, dst), oracle.move_kv(host(kv.v), src, dst), "move_kv")
@@ -99,7 +219,7 @@ def test_move_kv_overlapping_sets(backend, reference, device, name):
        extra_context=st.integers(0, 20), extra_slots=st.integers(0, 16))
 def test_accepted_kv_moves_matches(backend, reference, device, rng, batch, depth, extra_rows, extra_context,
                                    extra_slots):
-    call = cases.accepted_kv_moves(rng, device, batch, depth, batch + extra_rows, depth + extra_context,
+    call = accepted_kv_moves_call(rng, device, batch, depth, batch + extra_rows, depth + extra_context,
                                    batch * depth + extra_slots)
     src, dst = call.run(backend)
     assert_index_output(src, device, (batch * depth,), "accepted_kv_moves src")

@@ -138,14 +138,14 @@ def test_products_match_torch(backend, rows):
 
 
 @conformance
-@pytest.mark.parametrize("nodes", [1, 8])
-def test_device_lookup_matches_torch(backend, nodes):
+@pytest.mark.parametrize("tree_size", [1, 8])
+def test_device_lookup_matches_torch(backend, tree_size):
     """The device drafter on the backend records a step's tokens and drafts the chains that
     :func:`ngram_hal.speculative.lookup.record_and_draft` (plain torch) gives: table and chains exact."""
     dev = backend.device
-    gen = torch.Generator().manual_seed(400 + nodes)
+    gen = torch.Generator().manual_seed(400 + tree_size)
     R, W, B = 4, 96, 3
-    drafter = DeviceDrafter(backend, R, W, num_nodes=max(nodes, 1))
+    drafter = DeviceDrafter(backend, R, W, tree_size=max(tree_size, 1))
     base = torch.randint(0, 20, (9,), generator=gen).tolist()
     prompts = [base * 4, base[:4] * 5, torch.randint(0, 20, (30,), generator=gen).tolist()]
     rows = torch.tensor([2, 0, 3], dtype=torch.int64, device=dev)
@@ -157,9 +157,9 @@ def test_device_lookup_matches_torch(backend, nodes):
     accept_tokens = torch.tensor([base[0], base[1], base[2], -1, 7, -1, -1, -1, 1, 2, 3, 4], dtype=torch.int64,
                                  device=dev)
     relay = OverlapRelay(accept_tokens, accept_lens, lens + accept_lens, D)
-    got = drafter.draft(rows, relay, nodes)
-    want = record_and_draft(table, rows, accept_tokens, accept_lens, lens + accept_lens, nodes, drafter.max_ngram,
+    got = drafter.draft(rows, relay, tree_size)
+    want = record_and_draft(table, rows, accept_tokens, accept_lens, lens + accept_lens, tree_size, drafter.max_ngram,
                             drafter.min_ngram)
     assert host(drafter.table).equal(host(table)), "the token table after recording differs from torch's"
-    assert host(got).equal(host(want)), (f"chains {host(got).view(B, nodes).tolist()}, "
-                                         f"torch {host(want).view(B, nodes).tolist()}")
+    assert host(got).equal(host(want)), (f"chains {host(got).view(B, tree_size).tolist()}, "
+                                         f"torch {host(want).view(B, tree_size).tolist()}")

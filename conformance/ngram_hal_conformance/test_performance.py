@@ -1,6 +1,7 @@
 """Performance tier: the time of one call of each op at sizes that mean something on a GPU
 (a decode step of 64 requests with 8-node trees, a 30-layer cache, attention over a few thousand
-tokens), recorded as report properties and shown in the matrix. Measured, never pass/fail.
+tokens), recorded as report properties and shown in the matrix. Measured, never pass/fail. Each
+op's timed call is registered beside its tests (``cases.timed_call``); attention's are here.
 
 Each op runs once to warm up, then ``REPEATS`` times between two ``synchronize()`` calls:
 ``eager_ms`` is the mean. Where ``backend.runtime.graph_capture`` is true the same call is
@@ -27,112 +28,27 @@ conformance = pytest.mark.conformance
 pytestmark = pytest.mark.filterwarnings("ignore:record_property is incompatible with junit_family")
 
 REPEATS = 5
-BATCH, NODES = 64, 8
-CONTEXT = 4096
-LAYERS, SLOTS, HEADS, HEAD_DIM = 30, 2048, 4, 64
-VOCAB = 32000
-SAMPLE_BATCH = 8
 ATTENTION_BATCH, QUERY_HEADS = 4, 16
-
-
-def _kv_dtype(backend) -> torch.dtype:
-    """A half type the backend lists (the usual KV dtype on accelerators), else its first."""
-    listed = backend.capabilities().kv_dtypes
-    name = next((d for d in ("float16", "bfloat16") if d in listed), listed[0])
-    return getattr(torch, name)
-
-
-def _chain_trees(batch: int, depth: int, device) -> torch.Tensor:
-    return torch.ones(depth, depth, dtype=torch.bool, device=device).tril().expand(batch, depth, depth).contiguous()
-
-
-def _tree_links(backend, batch: int, depth: int, device):
-    """The retrieve links of ``batch`` trees: a root with two children, then chains below them."""
-    parents = [-1, 0, 0] + [i - 2 for i in range(3, depth)]
-    mask = torch.zeros(depth, depth, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] = mask[p]
-        mask[i, i] = True
-    tree = backend.reconstruct_tree(mask.expand(batch, depth, depth).contiguous().to(device),
-                                    torch.zeros(batch, dtype=torch.int64, device=device))
-    return tree[1:]
-
-
-def _workload(op: str, backend, device) -> tuple[cases.Call, str]:
-    """A call of ``op`` at a size worth timing, and what it holds in words."""
-    rng = random.Random(op)
-    B, D = BATCH, NODES
-    if op == "alloc_extend":
-        page_size = cases.supported(backend)[0]
-        call = cases.alloc_extend(rng, device, B, page_size, CONTEXT, extend=D)
-        return call, f"{B} requests extended by {D} tokens, contexts up to {CONTEXT}, page size {page_size}"
-    if op in ("assign_req_to_token", "gather_cache_locs"):
-        table = torch.randint(0, B * CONTEXT, (B, CONTEXT), generator=torch.Generator().manual_seed(0)).to(device)
-        rows = torch.randperm(B, generator=torch.Generator().manual_seed(1)).to(device)
-        if op == "gather_cache_locs":
-            zeros, ends = torch.zeros(B, dtype=torch.int64, device=device), torch.full((B,), CONTEXT, device=device)
-            return (cases.Call(op, {"req_to_token": table, "req_pool_indices": rows, "start": zeros, "end": ends,
-                                    "num_tokens": B * CONTEXT}),
-                    f"{B} whole contexts of {CONTEXT} tokens")
-        start = torch.randint(0, CONTEXT - D, (B,), generator=torch.Generator().manual_seed(2)).to(device)
-        locs = torch.arange(B * D, dtype=torch.int64, device=device)
-        return (cases.Call(op, {"req_to_token": table, "req_pool_indices": rows, "start": start, "end": start + D,
-                                "locs": locs}),
-                f"{B} requests x {D} tokens into a {B} x {CONTEXT} table")
-    if op in ("store_kv", "move_kv"):
-        dtype = _kv_dtype(backend)
-        kv = cases.random_kv(rng, device, LAYERS, SLOTS, HEADS, HEAD_DIM, dtype)
-        what = f"{LAYERS} layers x {SLOTS} slots x {HEADS} heads x {HEAD_DIM}, {str(dtype).removeprefix('torch.')}"
-        if op == "store_kv":
-            return cases.store_kv(rng, device, kv, B * D, 0), f"{B * D} rows into one layer of {what}"
-        slots = rng.sample(range(SLOTS), 2 * B * D)
-        return (cases.Call(op, {"kv": kv, "src": cases.index(slots[:B * D], device),
-                                "dst": cases.index(slots[B * D:], device)}),
-                f"{B * D} pairs over {what}")
-    if op == "accepted_kv_moves":
-        return (cases.accepted_kv_moves(rng, device, B, D, B, CONTEXT, B * CONTEXT),
-                f"{B} requests x {D} nodes, contexts of {CONTEXT}")
-    if op == "reconstruct_tree":
-        return (cases.Call(op, {"tree_mask": _chain_trees(B, D, device),
-                                "seq_lens": torch.full((B,), CONTEXT, dtype=torch.int64, device=device)}),
-                f"{B} trees of {D} nodes")
-    if op == "verify_tree_greedy":
-        links = _tree_links(backend, B, D, device)
-        tokens = torch.randint(0, 4, (B, D), generator=torch.Generator().manual_seed(3)).to(device)
-        return (cases.Call(op, {"candidates": tokens, "retrieve_index": links[0], "retrieve_next_token": links[1],
-                                "retrieve_next_sibling": links[2], "target_predict": tokens.roll(-1, 1).contiguous()}),
-                f"{B} trees of {D} nodes")
-    if op == "verify_tree_sample":
-        B = SAMPLE_BATCH
-        links = _tree_links(backend, B, D, device)
-        gen = torch.Generator().manual_seed(4)
-        probs = torch.softmax(torch.randn(B, D, VOCAB, generator=gen), -1).to(device)
-        return (cases.Call(op, {"candidates": torch.randint(0, VOCAB, (B, D), generator=gen).to(device),
-                                "retrieve_index": links[0], "retrieve_next_token": links[1],
-                                "retrieve_next_sibling": links[2], "target_probs": probs,
-                                "uniform_samples": torch.rand(B, D, generator=gen).to(device),
-                                "uniform_final": torch.rand(B, generator=gen).to(device)}),
-                f"{B} trees of {D} nodes, vocabulary {VOCAB}")
-    raise ValueError(f"unknown op {op!r}")
 
 
 def _attention_workload(kind: str, backend, device) -> tuple[cases.Call, str]:
     """A decode step (one query each) or a tree verify (D nodes each) of a few requests of
-    ``CONTEXT`` tokens; one layer's call."""
-    B, D, dtype = ATTENTION_BATCH, NODES, _kv_dtype(backend)
+    ``cases.TIMED_CONTEXT`` tokens; one layer's call."""
+    B, D, dtype = ATTENTION_BATCH, cases.TIMED_NODES, cases.kv_half_dtype(backend)
+    context, heads, head_dim = cases.TIMED_CONTEXT, cases.TIMED_HEADS, cases.TIMED_HEAD_DIM
     q_len = 1 if kind == "decode" else D
-    kv = cases.random_kv(random.Random(kind), device, 1, B * CONTEXT, HEADS, HEAD_DIM, dtype)
+    kv = cases.random_kv(random.Random(kind), device, 1, B * context, heads, head_dim, dtype)
     gen = torch.Generator().manual_seed(5)
-    table = torch.randperm(B * CONTEXT, generator=gen).view(B, CONTEXT).to(device)
+    table = torch.randperm(B * context, generator=gen).view(B, context).to(device)
+    chains = torch.ones(D, D, dtype=torch.bool, device=device).tril().expand(B, D, D).contiguous()
     call = cases.Call("attention", {
-        "q": torch.randn(B * q_len, QUERY_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device), "kv": kv, "layer": 0,
+        "q": torch.randn(B * q_len, QUERY_HEADS, head_dim, generator=gen).to(dtype).to(device), "kv": kv, "layer": 0,
         "req_to_token": table, "req_pool_indices": torch.arange(B, dtype=torch.int64, device=device),
-        "kv_lens": torch.full((B,), CONTEXT, dtype=torch.int64, device=device),
-        "q_lens": torch.full((B,), q_len, dtype=torch.int64, device=device), "sm_scale": HEAD_DIM ** -0.5,
-        "tree_mask": _chain_trees(B, D, device) if kind == "tree" else None, "max_kv_len": CONTEXT})
-    what = (f"{B} requests x {q_len} queries over {CONTEXT} tokens, {QUERY_HEADS} query / {HEADS} KV heads x "
-            f"{HEAD_DIM}, {str(dtype).removeprefix('torch.')}")
+        "kv_lens": torch.full((B,), context, dtype=torch.int64, device=device),
+        "q_lens": torch.full((B,), q_len, dtype=torch.int64, device=device), "sm_scale": head_dim ** -0.5,
+        "tree_mask": chains if kind == "tree" else None, "max_kv_len": context})
+    what = (f"{B} requests x {q_len} queries over {context} tokens, {QUERY_HEADS} query / {heads} KV heads x "
+            f"{head_dim}, {str(dtype).removeprefix('torch.')}")
     return call, what
 
 
@@ -172,7 +88,7 @@ TIMED_OPS = tuple(op for op in OPS if op != "attention")
 @conformance(tier="performance")
 @pytest.mark.parametrize("op", [pytest.param(op, marks=conformance(op=op)) for op in TIMED_OPS])
 def test_op_time(unchecked_backend, device, record_property, op):
-    call, what = _workload(op, unchecked_backend, device)
+    call, what = cases.timed(op, unchecked_backend, device)
     record_property("workload", what)
     _measure(unchecked_backend, lambda: call.run(unchecked_backend), record_property)
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from . import cases, oracle
+from . import test_kv as kv_cases
 from .checks import assert_bitwise, assert_equal, host, slots
 from .test_attention import TOLERANCE, dense_attention, random_parents, tree_mask_of
 from .test_tree_verify import (assert_verify_outputs, dyadic_inputs, expected_outputs, floats, links_of, mask_of,
@@ -70,16 +71,16 @@ def _dtypes(backend) -> list[torch.dtype]:
 # ---------------------------------------------------------------- move_kv
 
 @conformance(op="move_kv", tier="scale")
-@pytest.mark.parametrize("pattern", cases.MOVE_PATTERNS)
+@pytest.mark.parametrize("pattern", kv_cases.MOVE_PATTERNS)
 @pytest.mark.parametrize("n", _sizes("moves"))
 def test_move_kv_at_scale(backend, device, scale, pattern, n):
     """n pairs over a cache of 3 layers: every K and V row is the definition's, bit for bit."""
     _require(scale, "moves", n)
     dtypes = _dtypes(backend)
-    dtype = dtypes[cases.MOVE_PATTERNS.index(pattern) % len(dtypes)]
+    dtype = dtypes[kv_cases.MOVE_PATTERNS.index(pattern) % len(dtypes)]
     rng = random.Random(f"move-{pattern}-{n}")
     kv = cases.random_kv(rng, device, 3, n + n // 2 + 2, 2, 8, dtype)
-    call = cases.move_kv(rng, device, kv, n, pattern, sentinel_rate=0.05, identity_rate=0.05)
+    call = kv_cases.move_kv_call(rng, device, kv, n, pattern, sentinel_rate=0.05, identity_rate=0.05)
     src, dst = call.args["src"].tolist(), call.args["dst"].tolist()
     want_k, want_v = oracle.move_kv(host(kv.k), src, dst), oracle.move_kv(host(kv.v), src, dst)
     assert backend.move_kv(**call.args) is None
@@ -251,7 +252,7 @@ def test_verify_tree_sample_at_scale(backend, device, scale, D):
 def test_accepted_kv_moves_at_scale(backend, device, scale, D):
     _require(scale, "tree_nodes", D)
     rng = random.Random(f"accepted-{D}")
-    call = cases.accepted_kv_moves(rng, device, batch=16, depth=D, rows=20, max_context=D + 300,
+    call = kv_cases.accepted_kv_moves_call(rng, device, batch=16, depth=D, rows=20, max_context=D + 300,
                                    num_slots=16 * D + 4096)
     src, dst = call.run(backend)
     a = {k: v.tolist() for k, v in call.args.items()}

@@ -147,11 +147,11 @@ def assert_verify_outputs(got, want, device, what: str) -> None:
 
 
 @st.composite
-def parent_lists(draw, num_nodes: int, bfs: bool) -> list[int]:
-    """A tree of ``num_nodes`` nodes as a parent list; parents precede children, BFS when asked
+def parent_lists(draw, tree_size: int, bfs: bool) -> list[int]:
+    """A tree of ``tree_size`` nodes as a parent list; parents precede children, BFS when asked
     (then parents are non-decreasing)."""
     parents = [-1]
-    for i in range(1, num_nodes):
+    for i in range(1, tree_size):
         low = parents[-1] if bfs and i > 1 else 0
         parents.append(draw(st.integers(low, i - 1)))
     return parents
@@ -261,6 +261,81 @@ def sample_pvalue(verify_sample, device, seed: int = 1234) -> float:
     stat = ((observed[support] - expected[support]) ** 2 / expected[support]).sum()
     dof = int(support.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+# ---------------------------------------------------------------- the calls the other tiers run
+
+def _chain_links(device) -> dict[str, torch.Tensor]:
+    """Two requests, each a 3-node chain tree: its candidates and retrieve links."""
+    return {"candidates": cases.index([[5, 6, 7], [1, 2, 3]], device),
+            "retrieve_index": cases.index([[0, 1, 2], [3, 4, 5]], device),
+            "retrieve_next_token": cases.index([[1, 2, -1], [1, 2, -1]], device),
+            "retrieve_next_sibling": cases.index([[-1, -1, -1], [-1, -1, -1]], device)}
+
+
+@cases.minimal_call("reconstruct_tree")
+def _minimal_reconstruct(rng, device, page_size, dtype):
+    chain = torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3).contiguous().to(device)
+    return cases.Call("reconstruct_tree", {"tree_mask": chain, "seq_lens": cases.index([4, 0], device)})
+
+
+@cases.minimal_call("verify_tree_greedy")
+def _minimal_greedy(rng, device, page_size, dtype):
+    return cases.Call("verify_tree_greedy", {**_chain_links(device),
+                                             "target_predict": cases.index([[6, 9, 4], [0, 0, 0]], device)})
+
+
+@cases.minimal_call("verify_tree_sample")
+def _minimal_sample(rng, device, page_size, dtype):
+    return cases.Call("verify_tree_sample", {**_chain_links(device),
+                                             "target_probs": torch.full((2, 3, 8), 1 / 8, device=device),
+                                             "uniform_samples": torch.full((2, 3), 0.5, device=device),
+                                             "uniform_final": torch.full((2,), 0.25, device=device)})
+
+
+TIMED_VOCAB, TIMED_SAMPLE_BATCH = 32000, 8
+
+
+def _timed_links(backend, batch: int, depth: int, device):
+    """The retrieve links of ``batch`` trees: a root with two children, then chains below them."""
+    parents = [-1, 0, 0] + [i - 2 for i in range(3, depth)]
+    tree = backend.reconstruct_tree(mask_of([parents] * batch, device),
+                                    torch.zeros(batch, dtype=torch.int64, device=device))
+    return tree[1:]
+
+
+@cases.timed_call("reconstruct_tree")
+def _timed_reconstruct(rng, backend, device):
+    B, D = cases.TIMED_BATCH, cases.TIMED_NODES
+    chains = torch.ones(D, D, dtype=torch.bool, device=device).tril().expand(B, D, D).contiguous()
+    return (cases.Call("reconstruct_tree", {"tree_mask": chains, "seq_lens": torch.full(
+                (B,), cases.TIMED_CONTEXT, dtype=torch.int64, device=device)}),
+            f"{B} trees of {D} nodes")
+
+
+@cases.timed_call("verify_tree_greedy")
+def _timed_greedy(rng, backend, device):
+    B, D = cases.TIMED_BATCH, cases.TIMED_NODES
+    links = _timed_links(backend, B, D, device)
+    tokens = torch.randint(0, 4, (B, D), generator=torch.Generator().manual_seed(3)).to(device)
+    return (cases.Call("verify_tree_greedy", {
+                "candidates": tokens, "retrieve_index": links[0], "retrieve_next_token": links[1],
+                "retrieve_next_sibling": links[2], "target_predict": tokens.roll(-1, 1).contiguous()}),
+            f"{B} trees of {D} nodes")
+
+
+@cases.timed_call("verify_tree_sample")
+def _timed_sample(rng, backend, device):
+    B, D, V = TIMED_SAMPLE_BATCH, cases.TIMED_NODES, TIMED_VOCAB
+    links = _timed_links(backend, B, D, device)
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(B, D, V, generator=gen), -1).to(device)
+    return (cases.Call("verify_tree_sample", {
+                "candidates": torch.randint(0, V, (B, D), generator=gen).to(device),
+                "retrieve_index": links[0], "retrieve_next_token": links[1], "retrieve_next_sibling": links[2],
+                "target_probs": probs, "uniform_samples": torch.rand(B, D, generator=gen).to(device),
+                "uniform_final": torch.rand(B, generator=gen).to(device)}),
+            f"{B} trees of {D} nodes, vocabulary {V}")
 
 
 # ---------------------------------------------------------------- contract

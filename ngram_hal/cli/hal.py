@@ -21,6 +21,7 @@ from rich.text import Text
 from .. import matrix
 from ..backend import OPS
 from ..registry import list_backends, resolve
+from ..report_schema import TIERS, ConformanceReport
 from . import sanitizer
 from .common import CommandError, check_destination, error_line, write_output
 
@@ -55,8 +56,8 @@ def backends_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _conformance_summary(report: matrix.Report, console: Console) -> None:
-    tiers = sorted({t.tier or "" for t in report.tests}, key=lambda t: matrix.sort_key(t, matrix.TIERS))
+def _conformance_summary(report: ConformanceReport, console: Console) -> None:
+    tiers = sorted({t.tier or "" for t in report.tests}, key=lambda t: matrix.sort_key(t, TIERS))
     counts = {tier: Counter(t.outcome for t in report.tests if (t.tier or "") == tier) for tier in tiers}
     title = f"conformance: {report.backend} on {report.device or '?'}" + (" (proxy)" if report.proxy else "")
     table = Table(title=title)

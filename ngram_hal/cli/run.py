@@ -39,8 +39,8 @@ from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompt
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE_NOTE = "20-40 s the first time, 1-2 s after"
-GPU_SPEC_NODES, CPU_SPEC_NODES = 16, 8
-"""``--spec-nodes`` by default: on a GPU a verify row costs little beside a decode row, so ``auto``
+GPU_TREE_SIZE, CPU_TREE_SIZE = 16, 8
+"""``--tree-size`` by default: on a GPU a verify row costs little beside a decode row, so ``auto``
 may choose trees of up to 16 nodes; on the CPU each row costs, and 8 is the most that pays."""
 
 
@@ -63,9 +63,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
                              "(default: the bundled prompts)")
-    parser.add_argument("--spec-nodes", type=field_type(EngineConfig, "spec_nodes"), default=None, metavar="D",
-                        help=f"draft-tree nodes per step (default {GPU_SPEC_NODES} where the backend runs Triton "
-                             f"model kernels, else {CPU_SPEC_NODES})")
+    parser.add_argument("--tree-size", type=field_type(EngineConfig, "tree_size"), default=None, metavar="D",
+                        help=f"tree size: draft-tree nodes per request and step, the root included (default "
+                             f"{GPU_TREE_SIZE} where the backend runs Triton model kernels, else {CPU_TREE_SIZE})")
     parser.add_argument("--drafter", choices=("trie", "linear", "device"), default=None,
                         help="n-gram drafter: trie or linear on the host, device: the linear drafter's chains drafted "
                              "on the device (default: device on a backend with Triton model kernels, trie elsewhere)")
@@ -161,22 +161,22 @@ def prompt_origin(args: argparse.Namespace, spec: PromptSpec) -> str:
     return f"the bundled prompt {spec.id!r}"
 
 
-def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, max_context_len: int,
-                      num_slots: int, nodes_option: str, page_size: int = 1) -> str | None:
+def prompt_room_error(prompt_tokens: int, max_new_tokens: int, tree_size: int, max_context_len: int,
+                      num_slots: int, tree_size_option: str, page_size: int = 1) -> str | None:
     """Why the engine would refuse a prompt of ``prompt_tokens`` tokens, or None when it takes it.
 
     The engine's rule (:func:`~ngram_hal.engine.scheduler.request_room`, which
     :meth:`Scheduler.check <ngram_hal.engine.scheduler.Scheduler.check>` applies): a request keeps
-    ``3 * spec_nodes`` positions of its ``max_context_len`` for draft trees and needs one more for
+    ``3 * tree_size`` positions of its ``max_context_len`` for draft trees and needs one more for
     an output token, and the prompt, its output and the draft trees must fit ``num_slots`` KV
-    slots, in whole pages of ``page_size``. ``nodes_option`` names the option that set
-    ``spec_nodes`` (``"--spec-nodes 8"``).
+    slots, in whole pages of ``page_size``. ``tree_size_option`` names the option that set
+    ``tree_size`` (``"--tree-size 8"``).
     """
-    n, trees = prompt_tokens, 3 * spec_nodes
-    fit = request_room(n, max_new_tokens, spec_nodes, max_context_len)
+    n, trees = prompt_tokens, 3 * tree_size
+    fit = request_room(n, max_new_tokens, tree_size, max_context_len)
     if fit is None:
         return (f"{n} prompt tokens; --max-context-len {max_context_len} holds at most {max_context_len - trees - 1} "
-                f"with {nodes_option} ({trees} positions stay free for draft trees)")
+                f"with {tree_size_option} ({trees} positions stay free for draft trees)")
     budget = pages_of(fit[1], page_size) * page_size
     if budget > num_slots // page_size * page_size:
         pages = f" (pages of {page_size})" if page_size > 1 else ""
@@ -185,8 +185,8 @@ def prompt_room_error(prompt_tokens: int, max_new_tokens: int, spec_nodes: int, 
     return None
 
 
-def check_prompts(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argparse.Namespace, spec_nodes: int,
-                  new_tokens: int, nodes_option: str) -> None:
+def check_prompts(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argparse.Namespace, tree_size: int,
+                  new_tokens: int, tree_size_option: str) -> None:
     """A :class:`CommandError` naming the first prompt of ``specs`` the engine would refuse
     (:func:`prompt_room_error`; ``new_tokens`` is the output budget of a line without its own),
     or whose messages the model's chat template refuses."""
@@ -195,26 +195,26 @@ def check_prompts(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argpa
             n = len(tokenizer.encode_chat(spec.messages))
         except jinja2.TemplateError as exc:
             raise CommandError(f"{prompt_origin(args, spec)}: the model's chat template refuses it ({exc})") from exc
-        why = prompt_room_error(n, spec.max_new_tokens or new_tokens, spec_nodes, args.max_context_len,
-                                args.num_slots, nodes_option, getattr(args, "page_size", 1))
+        why = prompt_room_error(n, spec.max_new_tokens or new_tokens, tree_size, args.max_context_len,
+                                args.num_slots, tree_size_option, getattr(args, "page_size", 1))
         if why is not None:
             raise CommandError(f"{prompt_origin(args, spec)}: {why}")
 
 
 def check_spec_room(tokenizer: Tokenizer, specs: Sequence[PromptSpec], args: argparse.Namespace,
                     params: SamplingParams) -> None:
-    """Once the backend has set the default ``--spec-nodes``: the tree size fits the context, and
+    """Once the backend has set the default ``--tree-size``: the tree size fits the context, and
     every prompt fits beside its output and the draft trees (:func:`check_prompts`)."""
-    check_tree_room(args.spec_nodes, args.max_context_len)
-    check_prompts(tokenizer, specs, args, 1 if getattr(args, "no_spec", False) else args.spec_nodes,
-                  params.max_new_tokens, nodes_option(args))
+    check_tree_room(args.tree_size, args.max_context_len)
+    check_prompts(tokenizer, specs, args, 1 if getattr(args, "no_spec", False) else args.tree_size,
+                  params.max_new_tokens, tree_size_option(args))
 
 
-def check_tree_room(spec_nodes: int, max_context_len: int) -> None:
-    """A :class:`CommandError` naming ``--spec-nodes`` when D leaves no room in the context."""
-    limit = EngineConfig.max_spec_nodes(max_context_len)
-    if spec_nodes > limit:
-        raise CommandError(f"--spec-nodes {spec_nodes}: at most {limit} with --max-context-len "
+def check_tree_room(tree_size: int, max_context_len: int) -> None:
+    """A :class:`CommandError` naming ``--tree-size`` when D leaves no room in the context."""
+    limit = EngineConfig.max_tree_size(max_context_len)
+    if tree_size > limit:
+        raise CommandError(f"--tree-size {tree_size}: at most {limit} with --max-context-len "
                            f"{max_context_len} (a request keeps 3 * D positions for draft trees)")
 
 
@@ -291,16 +291,16 @@ def busy_note(load: float, cores: int) -> str | None:
 # ---------------------------------------------------------------------------- set-up
 
 
-def default_spec_nodes(backend) -> int:
-    """D where ``--spec-nodes`` is not given: :data:`CPU_SPEC_NODES` where the backend's device is
-    the host (a step's rows cost in proportion), :data:`GPU_SPEC_NODES` on an accelerator (rows
+def default_tree_size(backend) -> int:
+    """D where ``--tree-size`` is not given: :data:`CPU_TREE_SIZE` where the backend's device is
+    the host (a step's rows cost in proportion), :data:`GPU_TREE_SIZE` on an accelerator (rows
     nearly free at small batches)."""
-    return CPU_SPEC_NODES if backend.runtime.is_host else GPU_SPEC_NODES
+    return CPU_TREE_SIZE if backend.runtime.is_host else GPU_TREE_SIZE
 
 
-def nodes_option(args: argparse.Namespace) -> str:
+def tree_size_option(args: argparse.Namespace) -> str:
     """The option that set the tree size, for an error message."""
-    return "--no-spec" if getattr(args, "no_spec", False) else f"--spec-nodes {args.spec_nodes}"
+    return "--no-spec" if getattr(args, "no_spec", False) else f"--tree-size {args.tree_size}"
 
 
 def default_drafter(backend) -> str:
@@ -327,8 +327,8 @@ class Setup:
         self.backend = make_backend(args)
         if getattr(args, "drafter", None) is None:
             args.drafter = default_drafter(self.backend)
-        if getattr(args, "spec_nodes", 0) is None:
-            args.spec_nodes = default_spec_nodes(self.backend)
+        if getattr(args, "tree_size", 0) is None:
+            args.tree_size = default_tree_size(self.backend)
         self.args = args
         threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
         torch.set_num_threads(threads)
@@ -358,7 +358,7 @@ class Setup:
 
         return LlamaModel.from_gguf(self.backend, self.path, DTYPES[self.args.dtype], batch_invariant=batch_invariant)
 
-    def engine(self, spec_nodes: int, overlap: bool, batch_size: int, policy: str = "always",
+    def engine(self, tree_size: int, overlap: bool, batch_size: int, policy: str = "always",
                graphs: bool | None = None, num_slots: int | None = None, model=None, drafter: str | None = None):
         """An engine over ``model`` (default the loaded one) with these settings; ``graphs``,
         ``num_slots`` and ``drafter`` default to the options (``--no-graphs``, ``--num-slots``,
@@ -366,7 +366,7 @@ class Setup:
         from ..engine.engine import Engine
 
         a = self.args
-        config = EngineConfig(spec_nodes=spec_nodes, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,
+        config = EngineConfig(tree_size=tree_size, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,
                               num_slots=num_slots or a.num_slots, max_running=batch_size,
                               max_context_len=a.max_context_len, page_size=getattr(a, "page_size", 1),
                               graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
@@ -422,18 +422,18 @@ def run_command(args: argparse.Namespace) -> int:
     if args.compare and args.no_spec:
         raise CommandError("--compare compares speculation with plain decoding: drop --no-spec")
     specs = prompt_specs(args)
-    if args.spec_nodes is not None:
-        check_tree_room(args.spec_nodes, args.max_context_len)
+    if args.tree_size is not None:
+        check_tree_room(args.tree_size, args.max_context_len)
     check_destination("--json", args.json)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens or 128,
                             seed=args.seed if args.temperature > 0 else None)
     console, status = Console(), Status()
     setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
-    spec_nodes = 1 if args.no_spec else args.spec_nodes
+    tree_size = 1 if args.no_spec else args.tree_size
     overlap = not args.no_overlap
-    runs = [("speculative" if spec_nodes > 1 else "plain",
-             setup.engine(spec_nodes, overlap, args.batch_size, args.spec_policy))]
+    runs = [("speculative" if tree_size > 1 else "plain",
+             setup.engine(tree_size, overlap, args.batch_size, args.spec_policy))]
     if args.compare:
         runs.append(("plain", setup.engine(1, overlap, args.batch_size)))
     setup.warm_up([engine for _, engine in runs], specs, params, args.batch_size)
@@ -543,8 +543,8 @@ BENCH_RUNS = (("plain", False, "always", True), ("plain", False, "always", False
 def bench_command(args: argparse.Namespace) -> int:
     """Plain vs speculative (always and auto) x overlap on/off x batch sizes; JSON with memory figures."""
     specs = prompt_specs(args)
-    if args.spec_nodes is not None:
-        check_tree_room(args.spec_nodes, args.max_context_len)
+    if args.tree_size is not None:
+        check_tree_room(args.tree_size, args.max_context_len)
     check_destination("--json", args.json)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     console, status = Console(), Status()
@@ -555,18 +555,18 @@ def bench_command(args: argparse.Namespace) -> int:
             count = args.requests or max(batch, len(specs))
             workload = [specs[i % len(specs)] for i in range(count)]
             for name, speculative, policy, overlap in BENCH_RUNS:
-                engine = setup.engine(args.spec_nodes if speculative else 1, overlap, batch, policy)
+                engine = setup.engine(args.tree_size if speculative else 1, overlap, batch, policy)
                 setup.warm_up([engine], workload, params, batch)
                 kv_bytes[batch] = engine.kv.nbytes
                 label = f"B={batch} {name}{'' if overlap else ' -ovl'}"
                 res = run_prompts(engine, setup.tokenizer, workload, params, progress, label)
-                rows.append({"batch": batch, "run": name, "spec_nodes": engine.num_nodes, "policy": policy,
-                             "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.num_nodes, 0),
+                rows.append({"batch": batch, "run": name, "tree_size": engine.tree_size, "policy": policy,
+                             "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.tree_size, 0),
                              "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
                              "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]})
                 del engine
     _add_ratios(rows)
-    console.print(_bench_speed_table(rows, args.spec_nodes))
+    console.print(_bench_speed_table(rows, args.tree_size))
     console.print(_bench_step_table(rows))
     payload = {"setup": setup.describe(), "max_new_tokens": args.max_new_tokens, "runs": rows,
                "kv_cache_bytes": kv_bytes, "peak_rss_bytes": _peak_rss_bytes()}
@@ -596,8 +596,8 @@ def _bench_table(title: str, headers: tuple[str, ...]) -> Table:
     return table
 
 
-def _bench_speed_table(rows: list[dict], spec_nodes: int) -> Table:
-    table = _bench_table(f"ngram-hal bench: speed (spec: D={spec_nodes}; speedup against plain decoding without "
+def _bench_speed_table(rows: list[dict], tree_size: int) -> Table:
+    table = _bench_table(f"ngram-hal bench: speed (spec: D={tree_size}; speedup against plain decoding without "
                          "overlap, same batch)",
                          ("tok/s", "tokens\n/verify", "speedup", "overlap\ngain", "same\ntokens"))
     for r in rows:

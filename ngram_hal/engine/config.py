@@ -47,7 +47,8 @@ class LlamaConfig(BaseModel):
 class EngineConfig(BaseModel):
     """Engine settings.
 
-    ``spec_nodes`` is D, the draft-tree size per verify step; 1 turns speculation off.
+    ``tree_size`` is the tree size D: the nodes of a request's draft tree per verify step, the root
+    included; 1 turns speculation off.
     ``spec_policy="auto"`` lets each verify step use 1, 2, 4, ... or D nodes, whichever a cost
     model expects to commit the most tokens per second for the whole batch
     (:mod:`ngram_hal.engine.policy`); ``"always"`` uses D. With a host drafter
@@ -59,7 +60,7 @@ class EngineConfig(BaseModel):
     ``num_slots`` sizes the KV cache, handed out in pages of ``page_size`` slots (the last
     ``num_slots % page_size`` unused); ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
-    at most :meth:`max_spec_nodes` of it.
+    at most :meth:`max_tree_size` of it.
     ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
     where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or
     with a strict backend).
@@ -67,7 +68,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    spec_nodes: int = Field(8, ge=1)
+    tree_size: int = Field(8, ge=1)
     drafter: Literal["trie", "linear", "device"] = "trie"
     spec_policy: Literal["always", "auto"] = "always"
     probe_every: int = Field(16, ge=1)
@@ -81,7 +82,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
 
     @staticmethod
-    def max_spec_nodes(max_context_len: int) -> int:
+    def max_tree_size(max_context_len: int) -> int:
         """The largest D a context of ``max_context_len`` positions holds with room for one prompt
         token and one new token beside the ``3*D`` positions of speculation room."""
         return (max_context_len - 2) // 3
@@ -90,8 +91,8 @@ class EngineConfig(BaseModel):
     def _check_sizes(self) -> "EngineConfig":
         if self.page_size > self.num_slots:
             raise ValueError(f"page_size {self.page_size} exceeds num_slots {self.num_slots}: the cache holds no page")
-        limit = self.max_spec_nodes(self.max_context_len)
-        if self.spec_nodes > limit:
-            raise ValueError(f"spec_nodes {self.spec_nodes} leaves no room in max_context_len {self.max_context_len} "
-                             f"(a request keeps 3 * spec_nodes positions for draft trees): at most {limit}")
+        limit = self.max_tree_size(self.max_context_len)
+        if self.tree_size > limit:
+            raise ValueError(f"tree_size {self.tree_size} leaves no room in max_context_len {self.max_context_len} "
+                             f"(a request keeps 3 * tree_size positions for draft trees): at most {limit}")
         return self

@@ -1,40 +1,13 @@
-"""The engine: continuous batching, n-gram speculative decoding and the overlap loop.
+"""The engine: continuous batching and n-gram speculative decoding over one model and one KV cache.
 
 A step is a prefill (newly admitted requests: prompt forward, first token sampled) or a verify
-step (every running request: a draft tree of D nodes whose root is the request's last committed
-token, one target forward over all B*D nodes, greedy or sampled tree verify, KV compaction).
-With D == 1 the tree is the root alone and a verify step is a plain decode step.
+step (every running request: a draft tree of tree size D whose root is the request's last
+committed token, one target forward over all B*D nodes, greedy or sampled tree verify, KV
+compaction). With D == 1 the tree is the root alone and a verify step is a plain decode step.
 
-What the overlap loop overlaps. Each launched step copies its results (committed tokens, their
-counts, logprobs) into host buffers and records an event; the device-side state the next step
-needs (last tokens, lengths) stays on the device in an :class:`OverlapRelay`. The host blocks
-only in that event's ``synchronize()``. One call of :meth:`Engine.step`:
-
-* without speculation (D == 1): schedules step t+1 (admission, slot allocation, inputs built
-  from the relay) and enqueues it while the device is still on step t, *then* waits for step t
-  and processes it (token commit, stop tokens and strings, detokenization, streaming outputs,
-  freeing finished requests) while the device computes step t+1. No host work is on the
-  device's critical path.
-* with speculation (D > 1): the draft of step t+1 needs step t's accepted tokens, so the host
-  first waits for step t and does the token-level part (commit, stop tokens, ``max_new_tokens``,
-  drafter update); then it drafts, schedules, allocates and enqueues step t+1; only then does it
-  do the text-level part of step t (detokenization, stop strings, outputs, freeing) while the
-  device computes step t+1. Between steps the device waits for the results copy, the token-level
-  commit, the drafting and the launch of step t+1. The relay still carries the roots and lengths
-  on the device; only the D-1 draft tokens per request and the tree masks are uploaded. A step
-  that the ``auto`` policy runs with one node drafts nothing, so it is launched as without
-  speculation, before the host waits for step t.
-* with speculation drafted on the device (``drafter="device"``,
-  :class:`~ngram_hal.speculative.lookup.DeviceDrafter`): step t ends by recording its committed
-  tokens in the drafter's token table and drafting chains of D for step t+1 (inside step t's
-  graph where steps are captured), so step t+1 is enqueued before the host waits for step t, as
-  without speculation, and takes the first n nodes of those chains with no launch of its own.
-  Where the batch changed in between (a prefill joined, a request left), step t+1 records and
-  drafts in a launch of its own first.
-
-A request that turns out to have finished at step t may already be in step t+1; its results
-there are dropped. On the CPU the device runs eagerly inside the launch, so the loop has the same
-structure but nothing actually runs concurrently.
+:class:`Engine` is the callers' side: requests in (checked by :mod:`ngram_hal.engine.intake`),
+outputs out, and the one-time work before serving. Each :meth:`Engine.step` is one turn of the
+overlap loop (:mod:`ngram_hal.engine.loop`), which launches the steps and processes their results.
 """
 
 from __future__ import annotations
@@ -52,8 +25,9 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenDecoder
 from .graphs import StepGraphs, batch_buckets
 from .intake import check_request, params_per_prompt
+from .loop import OverlapLoop
 from .model import LlamaModel
-from .overlap import InflightStep, Transfer
+from .overlap import Transfer
 from .policy import SpecPolicy, tree_sizes
 from .postprocess import Postprocessor
 from .request import Request, RequestOutput, SamplingParams, Status
@@ -80,7 +54,8 @@ class Engine:
     Its parts, each a module of its own: the :class:`~ngram_hal.engine.scheduler.Scheduler`
     (admission, slots), the draft source (:mod:`ngram_hal.speculative.sources`), the
     :class:`~ngram_hal.engine.policy.SpecPolicy`, the :class:`~ngram_hal.engine.runner.StepRunner`
-    (launching steps) and the :class:`~ngram_hal.engine.postprocess.Postprocessor` (their results).
+    (launching steps), the :class:`~ngram_hal.engine.postprocess.Postprocessor` (their results)
+    and the :class:`~ngram_hal.engine.loop.OverlapLoop` (when each step runs).
     """
 
     def __init__(self, model: LlamaModel, tokenizer: TokenDecoder | None = None,
@@ -92,16 +67,16 @@ class Engine:
         if supported is not None and cfg.page_size not in supported:
             raise ValueError(f"page_size {cfg.page_size}: the '{self.backend.name}' backend's alloc_extend "
                              f"takes pages of {', '.join(map(str, supported))}")
-        self.num_nodes = cfg.spec_nodes
+        self.tree_size = cfg.tree_size
         transfer = Transfer(self.backend.runtime)
         self.kv = model.new_kv_cache(cfg.num_slots)
         self.sched = Scheduler(self.backend, transfer, cfg.num_slots, cfg.max_running, cfg.max_context_len,
-                               self.num_nodes, cfg.max_prefill_tokens, cfg.page_size)
-        if self.num_nodes == 1:
+                               self.tree_size, cfg.max_prefill_tokens, cfg.page_size)
+        if self.tree_size == 1:
             self.drafts = DraftSource()
         elif drafter is None and cfg.drafter == "device":
             self.drafts = DeviceDrafts(DeviceDrafter(self.backend, *self.sched.req_to_token.shape,
-                                                     num_nodes=self.num_nodes))
+                                                     tree_size=self.tree_size))
         else:
             self.drafts = HostDrafts(drafter or partial(make_drafter, cfg.drafter), transfer.upload)
         if eos_token_ids is None:
@@ -113,15 +88,16 @@ class Engine:
             self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, cfg.max_running,
                                      self.drafts.graph_drafter)
             # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
-            self.graphs.capture_all(tree_sizes(self.num_nodes))
+            self.graphs.capture_all(tree_sizes(self.tree_size))
         buckets = self.graphs.buckets if self.graphs is not None else batch_buckets(cfg.max_running)
-        self.policy = SpecPolicy(self.num_nodes, cfg.spec_policy, cfg.probe_every, buckets=buckets)
+        self.policy = SpecPolicy(self.tree_size, cfg.spec_policy, cfg.probe_every, buckets=buckets)
         if self.graphs is not None and self.policy.mode == "auto":
             self.graphs.calibrate(self.policy.costs, self.policy.sizes)
         self.stats = EngineStats()
         self.runner = StepRunner(model, self.kv, self.sched, transfer, self.drafts, self.graphs, self.stats)
         self.post = Postprocessor(self.backend.runtime, self.runner, self.sched, self.drafts, self.policy, self.stats)
-        self.inflight: InflightStep | None = None
+        self.loop = OverlapLoop(self.sched, self.drafts, self.policy, self.runner, self.post, self.tree_size,
+                                cfg.overlap)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._restart_counts()
@@ -151,7 +127,7 @@ class Engine:
         for i in range(0, len(prompts), size):
             self.generate(list(prompts[i:i + size]), short)
         if self.graphs is not None and (not params.greedy or params.logprobs):
-            self.graphs.capture_forwards(tree_sizes(self.num_nodes))
+            self.graphs.capture_forwards(tree_sizes(self.tree_size))
         self.backend.runtime.synchronize()
         self.forget_drafts()
         self._restart_counts()
@@ -227,7 +203,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, in flight or has an output not yet returned."""
-        return bool(self.sched.waiting or self.sched.running or self.inflight is not None or self._pending)
+        return bool(self.sched.waiting or self.sched.running or self.loop.inflight is not None or self._pending)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -281,63 +257,14 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """Run one turn of the loop (see the module docstring); outputs of requests that advanced."""
+        """Run one turn of the loop (:meth:`OverlapLoop.turn <ngram_hal.engine.loop.OverlapLoop.turn>`);
+        outputs of requests that advanced. Finished requests leave the engine."""
         outputs, self._pending = self._pending, []
-        if not self.config.overlap:
-            step = self._launch()
-            if step is not None:
-                self.post.absorb(step, critical=True)
-                outputs += self._outputs(step, hidden=False)
-            return outputs
-        start = time.perf_counter()
-        prev, self.inflight = self.inflight, None
-        if prev is not None and self._drafts_next():
-            self.post.absorb(prev, critical=True)
-        self.inflight = self._launch()
-        if prev is not None:
-            if not prev.absorbed:
-                self.post.absorb(prev, critical=False)
-            outputs += self._outputs(prev, hidden=self.inflight is not None)
-            self.post.host_s = time.perf_counter() - start - prev.wait_s
-        return outputs
-
-    def _drafts_next(self) -> bool:
-        """Whether the next step may need the previous one's tokens on the host: a speculative
-        step drafted on the host drafts from them, and admission waits for the requests they
-        finish. A step the policy runs with one node (a plain decode step) does not, so it
-        overlaps like one."""
-        if self.num_nodes == 1:
-            return False
-        if self.sched.waiting or not self.sched.running:
-            return True
-        if self.drafts.ahead or self._drafter_busy():
-            return False
-        return self.policy.peek(*self.policy.batch(self.sched.running)) > 1
-
-    def _drafter_busy(self) -> bool:
-        """In ``auto``: the drafter still records in the background (a batch of prompts); steps
-        run plain until it is done rather than wait for it (``always`` waits)."""
-        return self.policy.mode == "auto" and self.drafts.busy
-
-    def _launch(self) -> InflightStep | None:
-        admitted = self.sched.admit()
-        if admitted:
-            return self.runner.prefill(admitted)
-        if not self.sched.running:
-            self.post.idle()
-            return None
-        reqs = list(self.sched.running)
-        bucket, acceptances, context = self.policy.batch(reqs)
-        nodes = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances, context)
-        return self.runner.decode(reqs, nodes, bucket, context, score_plain=self.policy.mode == "auto")
-
-    def _outputs(self, step: InflightStep, hidden: bool) -> list[RequestOutput]:
-        """The step's outputs (:meth:`Postprocessor.outputs`); finished requests leave the engine."""
-        outputs = self.post.outputs(step, hidden)
-        for out in outputs:
+        stepped = self.loop.turn()
+        for out in stepped:
             if out.finished:
                 self._requests.pop(out.rid, None)
-        return outputs
+        return outputs + stepped
 
     def _report(self, req: Request) -> None:
         """A request that finished outside a step (an error at admission, an abort): its final

@@ -56,9 +56,9 @@ def _index(n: int, fill: int, device) -> torch.Tensor:
     return torch.full((n,), fill, dtype=torch.int64, device=device)
 
 
-def _identity_masks(padded: int, nodes: int, device) -> torch.Tensor:
-    """A static bool[padded, nodes, nodes] tree-mask buffer holding identities (trees of roots)."""
-    return torch.eye(nodes, dtype=torch.bool, device=device).expand(padded, nodes, nodes).contiguous()
+def _identity_masks(padded: int, tree_size: int, device) -> torch.Tensor:
+    """A static bool[padded, n, n] tree-mask buffer (n = ``tree_size``) holding identities (trees of roots)."""
+    return torch.eye(tree_size, dtype=torch.bool, device=device).expand(padded, tree_size, tree_size).contiguous()
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -107,7 +107,7 @@ class PaddedPrefill:
 
 class GreedyStep:
     """The static inputs and the computation of one greedy verify step of ``padded`` requests of
-    ``nodes`` tree nodes each (``nodes == 1``: a plain decode step).
+    tree size ``tree_size`` (n) each (``tree_size == 1``: a plain decode step).
 
     :meth:`load` copies a step's inputs in (the first B requests; the rest are padding) and
     :meth:`run` computes it; :meth:`result` is the relay of the B real requests. A captured graph
@@ -116,28 +116,28 @@ class GreedyStep:
     ends by drafting the next step's chains.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, nodes: int,
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int, tree_size: int,
                  drafter: DeviceDrafter | None = None):
         self.model, self.kv, self.req_to_token = model, kv, req_to_token
-        self.padded, self.nodes, self.drafter = padded, nodes, drafter
+        self.padded, self.tree_size, self.drafter = padded, tree_size, drafter
         dev = model.device
-        self.tokens = _index(padded * nodes, 0, dev)
+        self.tokens = _index(padded * tree_size, 0, dev)
         self.rows = _index(padded, 0, dev)
         self.seq_lens = _index(padded, 0, dev)
         self.count = _index(1, 0, dev)
-        self.q_lens = _index(padded, nodes, dev)
-        self.tree_mask = (_identity_masks if drafter is None else chain_masks)(padded, nodes, dev)
+        self.q_lens = _index(padded, tree_size, dev)
+        self.tree_mask = (_identity_masks if drafter is None else chain_masks)(padded, tree_size, dev)
         self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def load(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
              seq_lens: torch.Tensor) -> None:
         """Copy in a step of B requests: tokens int64[B*n] or [B, n] (a view will do), tree_mask
-        bool[B, n, n] (None when ``nodes == 1``, and with a drafter, whose trees are chains), rows
+        bool[B, n, n] (None when ``tree_size == 1``, and with a drafter, whose trees are chains), rows
         and seq_lens int64[B]."""
         B = rows.shape[0]
-        self.tokens[:B * self.nodes].view(B, self.nodes).copy_(tokens.view(B, self.nodes))
-        if self.nodes > 1 and self.drafter is None:
+        self.tokens[:B * self.tree_size].view(B, self.tree_size).copy_(tokens.view(B, self.tree_size))
+        if self.tree_size > 1 and self.drafter is None:
             self.tree_mask[:B].copy_(tree_mask)
         self.rows[:B].copy_(rows)
         self.seq_lens[:B].copy_(seq_lens)
@@ -148,7 +148,7 @@ class GreedyStep:
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step over the loaded buffers: ``(accept_tokens[Bp*n], accept_lens[Bp], new_seq_lens[Bp])``."""
-        n, r2t = self.nodes, self.req_to_token
+        n, r2t = self.tree_size, self.req_to_token
         live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
         relay, _, _ = verify_step(self.model.backend, lambda batch: self.model.forward(batch, self.kv), self.kv, r2t,
                                   self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
@@ -161,7 +161,8 @@ class GreedyStep:
     def result(self, batch_size: int) -> OverlapRelay:
         """The relay of the first ``batch_size`` requests after :meth:`run` (views of its outputs)."""
         tokens, lens, seq_lens = self.outputs
-        return OverlapRelay(tokens[:batch_size * self.nodes], lens[:batch_size], seq_lens[:batch_size], self.nodes)
+        n = self.tree_size
+        return OverlapRelay(tokens[:batch_size * n], lens[:batch_size], seq_lens[:batch_size], n)
 
 
 @dataclass
@@ -209,22 +210,22 @@ class StepGraphs:
                 return b
         raise ValueError(f"batch of {batch_size} requests exceeds max_batch {self.buckets[-1]}")
 
-    def capture_all(self, node_sizes) -> None:
-        """Capture the greedy step of every batch bucket for each tree size in ``node_sizes`` now,
+    def capture_all(self, tree_sizes) -> None:
+        """Capture the greedy step of every batch bucket for each tree size in ``tree_sizes`` now,
         so that no greedy step pays a capture (kernel compilation included) later."""
-        for nodes in node_sizes:
+        for tree_size in tree_sizes:
             for padded in self.buckets:
-                self._step(padded, nodes)
+                self._step(padded, tree_size)
 
-    def capture_forwards(self, node_sizes) -> None:
-        """Capture the forward of every batch bucket for each tree size in ``node_sizes`` now (the
+    def capture_forwards(self, tree_sizes) -> None:
+        """Capture the forward of every batch bucket for each tree size in ``tree_sizes`` now (the
         steps that sample or want log-probabilities run it)."""
-        for nodes in node_sizes:
+        for tree_size in tree_sizes:
             for padded in self.buckets:
-                self._forward(padded, nodes)
+                self._forward(padded, tree_size)
 
-    def calibrate(self, costs, node_sizes, contexts: Sequence[int] | None = None, replays: int = 3) -> None:
-        """Time the captured greedy step of every batch bucket for each tree size in ``node_sizes``
+    def calibrate(self, costs, tree_sizes, contexts: Sequence[int] | None = None, replays: int = 3) -> None:
+        """Time the captured greedy step of every batch bucket for each tree size in ``tree_sizes``
         at each context in ``contexts`` (keys per request; default an eighth and a half of the
         request table's width) and give each time to ``costs`` (a
         :class:`~ngram_hal.engine.policy.StepCosts`) as that key's calibration at that context.
@@ -236,7 +237,7 @@ class StepGraphs:
         r2t = self.req_to_token
         R, M = r2t.shape
         contexts = [M // 8, M // 2] if contexts is None else list(contexts)
-        room = M - max(node_sizes)
+        room = M - max(tree_sizes)
         bad = [L for L in contexts if not 0 <= L <= room]
         if bad or not contexts:
             raise ValueError(f"contexts: expected keys from 0 to {room}, got {contexts}")
@@ -247,9 +248,9 @@ class StepGraphs:
         r2t[:rows, :L] = (torch.arange(rows * L, dtype=r2t.dtype, device=dev) % self.kv.num_slots).view(rows, L)
         begin, end = self.runtime.new_event(enable_timing=True), self.runtime.new_event(enable_timing=True)
         try:
-            for nodes in node_sizes:
+            for tree_size in tree_sizes:
                 for padded in self.buckets:
-                    step, graph = self._step(padded, nodes)
+                    step, graph = self._step(padded, tree_size)
                     step.rows.copy_(torch.arange(padded, dtype=torch.int64, device=dev) % rows)
                     step.count.fill_(0)
                     for context in contexts:
@@ -260,36 +261,36 @@ class StepGraphs:
                             graph.replay()
                         end.record(self.runtime.current_stream())
                         end.synchronize()
-                        costs.calibrate(padded, nodes, begin.elapsed_time(end) / 1e3 / replays, context)
+                        costs.calibrate(padded, tree_size, begin.elapsed_time(end) / 1e3 / replays, context)
                     step.rows.fill_(0)
                     step.seq_lens.fill_(0)
         finally:
             r2t[:rows].copy_(lent)
 
     def greedy_step(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
-                    seq_lens: torch.Tensor, nodes: int) -> OverlapRelay:
+                    seq_lens: torch.Tensor, tree_size: int) -> OverlapRelay:
         """Replay the greedy verify step of B requests (see :meth:`GreedyStep.load`); the relay
         it returns is a view valid until the next step of the same shape."""
         B = rows.shape[0]
-        step, graph = self._step(self.bucket(B), nodes)
+        step, graph = self._step(self.bucket(B), tree_size)
         step.load(tokens, tree_mask, rows, seq_lens)
         graph.replay()
         return step.result(B)
 
-    def forward(self, batch: ForwardBatch, nodes: int) -> torch.Tensor:
-        """The logits of ``batch`` (B requests of ``nodes`` rows each, tree mask given when
-        ``nodes > 1``): float32[B*nodes, V], a view valid until the next call with the same shape."""
+    def forward(self, batch: ForwardBatch, tree_size: int) -> torch.Tensor:
+        """The logits of ``batch`` (B requests of ``tree_size`` (n) rows each, tree mask given when
+        n > 1): float32[B*n, V], a view valid until the next call with the same shape."""
         B = batch.req_pool_indices.shape[0]
-        N = B * nodes
+        N = B * tree_size
         padded = self.bucket(B)
-        entry = self._forward(padded, nodes)
+        entry = self._forward(padded, tree_size)
         s = entry.batch
         s.input_ids[:N].copy_(batch.input_ids)
         s.positions[:N].copy_(batch.positions)
         s.out_cache_loc[:N].copy_(batch.out_cache_loc)
         s.req_pool_indices[:B].copy_(batch.req_pool_indices)
         s.kv_lens[:B].copy_(batch.kv_lens)
-        if nodes > 1:
+        if tree_size > 1:
             s.tree_mask[:B].copy_(batch.tree_mask)
         if B < padded:
             s.out_cache_loc[N:].fill_(-1)
@@ -331,25 +332,25 @@ class StepGraphs:
         self.captures += 1
         return graph, out
 
-    def _step(self, padded: int, nodes: int) -> tuple[GreedyStep, object]:
-        key = (padded, nodes)
+    def _step(self, padded: int, tree_size: int) -> tuple[GreedyStep, object]:
+        key = (padded, tree_size)
         found = self._steps.get(key)
         if found is None:
-            step = GreedyStep(self.model, self.kv, self.req_to_token, padded, nodes, self.drafter)
+            step = GreedyStep(self.model, self.kv, self.req_to_token, padded, tree_size, self.drafter)
             graph, _ = self._capture(step.run)
             found = self._steps[key] = (step, graph)
         return found
 
-    def _forward(self, padded: int, nodes: int) -> _Forward:
-        key = (padded, nodes)
+    def _forward(self, padded: int, tree_size: int) -> _Forward:
+        key = (padded, tree_size)
         entry = self._forwards.get(key)
         if entry is None:
-            dev, N = self.model.device, padded * nodes
-            tree_mask = _identity_masks(padded, nodes, dev) if nodes > 1 else None
+            dev, N = self.model.device, padded * tree_size
+            tree_mask = _identity_masks(padded, tree_size, dev) if tree_size > 1 else None
             batch = ForwardBatch(input_ids=_index(N, 0, dev), positions=_index(N, 0, dev),
                                  out_cache_loc=_index(N, -1, dev), req_to_token=self.req_to_token,
                                  req_pool_indices=_index(padded, 0, dev), kv_lens=_index(padded, 0, dev),
-                                 q_lens=_index(padded, nodes, dev), tree_mask=tree_mask,
+                                 q_lens=_index(padded, tree_size, dev), tree_mask=tree_mask,
                                  max_kv_len=self.req_to_token.shape[1], logits_index=None)
             graph, logits = self._capture(lambda: self.model.forward(batch, self.kv))
             entry = self._forwards[key] = _Forward(batch, graph, logits)

@@ -46,13 +46,13 @@ class InflightStep:
     Attributes:
         kind: ``"prefill"`` (one token per request at ``b*D``) or ``"decode"`` (a verify step).
         reqs: the batch, in relay order.
-        num_nodes: D, the stride of ``tokens`` and ``logprobs``.
+        stride: D, the stride of ``tokens`` and ``logprobs``: the tree size of the step's relay.
         tokens: host int64[B*D] committed tokens, -1 padded. lens: host int64[B] tokens committed.
         logprobs: host float32[B*D] or None.
         event: recorded after the copies; complete once the host buffers are valid.
         begin: recorded before the step's first device op (with ``event``, times the step).
         launch_s: host seconds spent enqueuing the step.
-        tree_size: the nodes per request a decode step ran.
+        tree_size: the tree size a decode step ran.
         bucket: the batch bucket a decode step's cost is kept under.
         offered: per request, the drafts a decode step offered it (None for a prefill).
         context: a decode step's mean keys per request before its trees, as the policy read it.
@@ -62,7 +62,7 @@ class InflightStep:
 
     kind: str
     reqs: list[Request]
-    num_nodes: int
+    stride: int
     tokens: torch.Tensor
     lens: torch.Tensor
     logprobs: torch.Tensor | None

@@ -41,9 +41,9 @@ from collections import deque
 from collections.abc import Sequence
 
 
-def tree_sizes(num_nodes: int) -> list[int]:
-    """The sizes ``auto`` chooses among: 1, the powers of two below ``num_nodes``, and ``num_nodes``."""
-    return sorted({1, num_nodes} | {1 << i for i in range(1, num_nodes.bit_length()) if 1 << i < num_nodes})
+def tree_sizes(tree_size: int) -> list[int]:
+    """The sizes ``auto`` chooses among: 1, the powers of two below ``tree_size``, and ``tree_size``."""
+    return sorted({1, tree_size} | {1 << i for i in range(1, tree_size.bit_length()) if 1 << i < tree_size})
 
 
 class Acceptance:
@@ -132,13 +132,13 @@ class StepCosts:
         self._hosts: dict[int, deque[float]] = {}
         self._host: dict[int, float] = {}
 
-    def add(self, bucket: int, nodes: int, seconds: float, context: float = 0.0, host: float = 0.0) -> None:
-        """A step of ``nodes`` nodes per request over a batch in ``bucket``, its requests holding
+    def add(self, bucket: int, tree_size: int, seconds: float, context: float = 0.0, host: float = 0.0) -> None:
+        """A step of tree size ``tree_size`` over a batch in ``bucket``, its requests holding
         ``context`` keys on average, took ``seconds``, while the host worked ``host`` seconds on
         the engine's loop."""
         if not seconds > 0:
             return
-        calibrated = self._calibration(bucket, nodes, context)
+        calibrated = self._calibration(bucket, tree_size, context)
         if calibrated is not None:
             hosts = self._hosts.setdefault(bucket, deque(maxlen=self.window))
             hosts.append(host)
@@ -147,18 +147,18 @@ class StepCosts:
             residuals.append(seconds - max(host, calibrated))
             self._offsets[bucket] = statistics.median(residuals)
             return
-        samples = self._steps.setdefault((bucket, nodes), deque(maxlen=self.window))
+        samples = self._steps.setdefault((bucket, tree_size), deque(maxlen=self.window))
         samples.append(seconds)
-        self._medians[(bucket, nodes)] = statistics.median(samples)
+        self._medians[(bucket, tree_size)] = statistics.median(samples)
 
-    def calibrate(self, bucket: int, nodes: int, seconds: float, context: int = 0) -> None:
+    def calibrate(self, bucket: int, tree_size: int, seconds: float, context: int = 0) -> None:
         """A cost measured apart from serving (a replay of the captured step whose requests read
         ``context`` keys each)."""
         if seconds > 0:
-            self._calibrated.setdefault((bucket, nodes), {})[context] = seconds
+            self._calibrated.setdefault((bucket, tree_size), {})[context] = seconds
 
-    def _calibration(self, bucket: int, nodes: int, context: float) -> float | None:
-        points = self._calibrated.get((bucket, nodes))
+    def _calibration(self, bucket: int, tree_size: int, context: float) -> float | None:
+        points = self._calibrated.get((bucket, tree_size))
         if not points:
             return None
         ctx = sorted(points)
@@ -169,28 +169,28 @@ class StepCosts:
         cost = points[lo] + (points[hi] - points[lo]) * (context - lo) / (hi - lo)
         return max(cost, 0.1 * points[ctx[0]])
 
-    def measured(self, bucket: int, nodes: int, context: float = 0.0) -> float | None:
+    def measured(self, bucket: int, tree_size: int, context: float = 0.0) -> float | None:
         """The known cost of the key at ``context``, or None."""
-        calibrated = self._calibration(bucket, nodes, context)
+        calibrated = self._calibration(bucket, tree_size, context)
         if calibrated is not None:
             paced = max(calibrated, self._host.get(bucket, 0.0))
             return max(paced + self._offsets.get(bucket, 0.0), 0.1 * calibrated)
-        return self._medians.get((bucket, nodes))
+        return self._medians.get((bucket, tree_size))
 
-    def estimate(self, bucket: int, nodes: int, sizes: Sequence[int], context: float = 0.0) -> float | None:
+    def estimate(self, bucket: int, tree_size: int, sizes: Sequence[int], context: float = 0.0) -> float | None:
         """The key's cost at ``context``, or (unknown) that of the largest smaller size in
         ``sizes`` known for the bucket; None when no size of the bucket is known."""
-        for n in sorted((s for s in sizes if s <= nodes), reverse=True):
+        for n in sorted((s for s in sizes if s <= tree_size), reverse=True):
             cost = self.measured(bucket, n, context)
             if cost is not None:
                 return cost
         return None
 
     def table(self, context: float = 0.0) -> dict[str, dict[str, float]]:
-        """Every known cost at ``context`` as ``{bucket: {nodes: seconds}}`` (strings, for a JSON report)."""
+        """Every known cost at ``context`` as ``{bucket: {tree_size: seconds}}`` (strings, for a JSON report)."""
         out: dict[str, dict[str, float]] = {}
-        for bucket, nodes in sorted(set(self._calibrated) | set(self._medians)):
-            out.setdefault(str(bucket), {})[str(nodes)] = self.measured(bucket, nodes, context)
+        for bucket, tree_size in sorted(set(self._calibrated) | set(self._medians)):
+            out.setdefault(str(bucket), {})[str(tree_size)] = self.measured(bucket, tree_size, context)
         return out
 
 
@@ -198,7 +198,7 @@ class SpecPolicy:
     """Picks the draft-tree size of each verify step.
 
     Args:
-        num_nodes: D, the largest speculative tree.
+        tree_size: D, the largest tree size.
         mode: ``"always"`` (every step uses D) or ``"auto"`` (see the module docstring).
         probe_every: in ``auto``, plain steps in a row after which a step of two nodes runs; the
             gap doubles, up to ``8 * probe_every``, while such probes leave plain steps best.
@@ -213,18 +213,18 @@ class SpecPolicy:
     :meth:`drop`).
     """
 
-    def __init__(self, num_nodes: int, mode: str = "always", probe_every: int = 16, margin: float = 0.05,
+    def __init__(self, tree_size: int, mode: str = "always", probe_every: int = 16, margin: float = 0.05,
                  costs: StepCosts | None = None, buckets: Sequence[int] = (1,)):
         if mode not in ("always", "auto"):
             raise ValueError(f"mode: expected 'always' or 'auto', got {mode!r}")
         if not margin >= 0:
             raise ValueError(f"margin: expected a number >= 0, got {margin!r}")
-        self.num_nodes = num_nodes
+        self.tree_size = tree_size
         self.mode = mode
         self.probe_every = probe_every
         self.margin = margin
         self.costs = costs if costs is not None else StepCosts()
-        self.sizes = tree_sizes(num_nodes) if mode == "auto" else [num_nodes]
+        self.sizes = tree_sizes(tree_size) if mode == "auto" else [tree_size]
         self.buckets = sorted(buckets)
         self.forget()
 
@@ -255,16 +255,16 @@ class SpecPolicy:
         for rid in rids:
             self.records.pop(rid, None)
 
-    def rate(self, bucket: int, nodes: int, requests: Sequence[Acceptance], context: float = 0.0) -> float | None:
-        """Expected tokens per second of a step of ``nodes`` nodes over ``requests`` in ``bucket``
+    def rate(self, bucket: int, tree_size: int, requests: Sequence[Acceptance], context: float = 0.0) -> float | None:
+        """Expected tokens per second of a step of tree size ``tree_size`` over ``requests`` in ``bucket``
         holding ``context`` keys each on average; None while no cost of the bucket is known."""
-        return self._rate(bucket, nodes, [(a.p_first, a.p_next) for a in requests], context)
+        return self._rate(bucket, tree_size, [(a.p_first, a.p_next) for a in requests], context)
 
-    def _rate(self, bucket: int, nodes: int, rates: list[tuple[float, float]], context: float) -> float | None:
-        cost = self.costs.estimate(bucket, nodes, self.sizes, context)
+    def _rate(self, bucket: int, tree_size: int, rates: list[tuple[float, float]], context: float) -> float | None:
+        cost = self.costs.estimate(bucket, tree_size, self.sizes, context)
         if cost is None:
             return None
-        return sum(expected_tokens(first, later, nodes - 1) for first, later in rates) / cost
+        return sum(expected_tokens(first, later, tree_size - 1) for first, later in rates) / cost
 
     def peek(self, bucket: int, requests: Sequence[Acceptance], context: float = 0.0) -> int:
         """The size :meth:`choose` would return now for ``requests`` in ``bucket`` holding
@@ -283,19 +283,19 @@ class SpecPolicy:
     def choose(self, bucket: int, requests: Sequence[Acceptance], context: float = 0.0) -> int:
         """The draft-tree size of the next verify step of ``requests`` in batch ``bucket``, holding
         ``context`` keys each on average."""
-        nodes = self.peek(bucket, requests, context)
-        if nodes == 1:
+        tree_size = self.peek(bucket, requests, context)
+        if tree_size == 1:
             self._plain_run += 1
         else:
             probe = self._plain_run >= self._probe_gap
             self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if probe else self.probe_every
             self._plain_run = 0
-        self.chosen[nodes] += 1
-        return nodes
+        self.chosen[tree_size] += 1
+        return tree_size
 
-    def observe(self, bucket: int, nodes: int, seconds: float | None, context: float = 0.0,
+    def observe(self, bucket: int, tree_size: int, seconds: float | None, context: float = 0.0,
                 host: float = 0.0) -> None:
-        """A verify step ran ``nodes`` nodes per request (after any cut to the drafts' size) over a
+        """A verify step ran trees of size ``tree_size`` (after any cut to the drafts' size) over a
         batch in ``bucket`` holding ``context`` keys each on average, in ``seconds``: the device
         time from the previous decode step's completion to this one's, or None when that is no
         clean sample (a prefill ran between); ``host`` is the host's work per turn of the loop
@@ -306,4 +306,4 @@ class SpecPolicy:
         has launched the next one, so host times move the launch cost of a step onto the one
         before it."""
         if seconds is not None:
-            self.costs.add(bucket, nodes, seconds, context, host)
+            self.costs.add(bucket, tree_size, seconds, context, host)

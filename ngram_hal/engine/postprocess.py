@@ -1,6 +1,6 @@
 """What the host does with a step's results once they are on the host.
 
-Two levels, which the overlap loop runs at different times (see :mod:`ngram_hal.engine.engine`):
+Two levels, which the overlap loop runs at different times (see :mod:`ngram_hal.engine.loop`):
 :meth:`Postprocessor.absorb` is the token level (commit, stop tokens, length, the drafter, the
 policy's measurements) and :meth:`Postprocessor.outputs` the text level (stop strings,
 detokenization, outputs). Both free the requests that finished.
@@ -46,7 +46,7 @@ class Postprocessor:
         drafter; ``critical``: the next step waits for this (nothing is enqueued behind it)."""
         step.wait()
         start = time.perf_counter()
-        D = step.num_nodes
+        D = step.stride
         tokens, lens = step.tokens.tolist(), step.lens.tolist()
         if step.kind == "decode":
             self._check_lengths(step.reqs, lens, D)

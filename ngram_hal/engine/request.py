@@ -147,9 +147,9 @@ class Request:
         self.finish_reason = reason
         self.error = error
 
-    def seq_bound(self, num_nodes: int) -> int:
+    def seq_bound(self, tree_size: int) -> int:
         """An upper bound on the request's device-side KV length (exact when nothing is in flight)."""
-        return self.seq_len + self.inflight * num_nodes
+        return self.seq_len + self.inflight * tree_size
 
     def take_output(self) -> RequestOutput:
         """The increment since the last call, and everything so far."""

@@ -92,45 +92,45 @@ class StepRunner:
         self.stats.draft_s += time.perf_counter() - drafting
         return step
 
-    def decode(self, reqs: list[Request], nodes: int, bucket: int, context: float,
+    def decode(self, reqs: list[Request], tree_size: int, bucket: int, context: float,
                score_plain: bool) -> InflightStep:
-        """Enqueue a verify step of the running batch ``reqs`` (in relay order) with trees of up
-        to ``nodes`` nodes, as the policy chose for ``bucket`` at ``context``; ``score_plain``: a
-        plain step scores each request's first draft where the drafter has it for free."""
+        """Enqueue a verify step of the running batch ``reqs`` (in relay order) with trees of tree
+        size up to ``tree_size``, as the policy chose for ``bucket`` at ``context``; ``score_plain``:
+        a plain step scores each request's first draft where the drafter has it for free."""
         start = time.perf_counter()
-        nodes = self.drafts.plan([r.rid for r in reqs], nodes, padded=self.graphs is not None)
+        tree_size = self.drafts.plan([r.rid for r in reqs], tree_size, padded=self.graphs is not None)
         self.stats.draft_s += time.perf_counter() - start
         # Device time starts here: host drafting above is time the device may spend idle.
         begin = self._begin()
-        bounds = [r.seq_bound(self.sched.num_nodes) for r in reqs]
+        bounds = [r.seq_bound(self.sched.tree_size) for r in reqs]
         self.sched.reserve(reqs, bounds)
         relay = self.relay
         rows = self.transfer.upload([r.row for r in reqs])
-        trees = self.drafts.trees(relay, rows, nodes, score_plain)
+        trees = self.drafts.trees(relay, rows, tree_size, score_plain)
         captured = (self.graphs is not None and all(r.params.greedy for r in reqs)
                     and not any(r.params.logprobs for r in reqs))
         logprobs = None
         if captured:
-            result = self.graphs.greedy_step(trees.tokens, trees.mask, rows, relay.new_seq_lens, nodes)
+            result = self.graphs.greedy_step(trees.tokens, trees.mask, rows, relay.new_seq_lens, tree_size)
         else:
-            result, logprobs = self._verify(reqs, trees, rows, relay.new_seq_lens, max(bounds) + nodes)
+            result, logprobs = self._verify(reqs, trees, rows, relay.new_seq_lens, max(bounds) + tree_size)
         self.drafts.stepped(rows, result, captured)
         self.relay = result
         for r in reqs:
             r.inflight += 1
         self.stats.decode_steps += 1
-        self.stats.tree_nodes += nodes
+        self.stats.tree_nodes += tree_size
         shadow = None if trees.guess is None else trees.guess == result.accept_tokens
         step = self._ship("decode", reqs, result, logprobs, start, begin, shadow)
-        step.tree_size, step.bucket, step.offered, step.context = nodes, bucket, trees.offered, context
+        step.tree_size, step.bucket, step.offered, step.context = tree_size, bucket, trees.offered, context
         return step
 
     def _verify(self, reqs: list[Request], trees: Trees, rows: torch.Tensor, seq_lens: torch.Tensor,
                 max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:
         """One verify step op by op (sampling, log-probabilities, or no graphs): the relay and the
         log-probabilities of the committed tokens (None unless a request asks for them)."""
-        B, n = len(reqs), trees.nodes
-        forward = (partial(self.graphs.forward, nodes=n) if self.graphs is not None
+        B, n = len(reqs), trees.tree_size
+        forward = (partial(self.graphs.forward, tree_size=n) if self.graphs is not None
                    else partial(self.model.forward, kv=self.kv))
         sampling = SamplingBatch([r.params for r in reqs], n, self.transfer.upload)
         sample = None if sampling.all_greedy else partial(self._sample, sampling, reqs, n)
@@ -169,7 +169,7 @@ class StepRunner:
         """Copy a step's results to the host and record the event that says they are there."""
         down = self.transfer.download
         runtime = self.backend.runtime
-        step = InflightStep(kind, reqs, relay.num_nodes, down(relay.accept_tokens), down(relay.accept_lens),
+        step = InflightStep(kind, reqs, relay.tree_size, down(relay.accept_tokens), down(relay.accept_lens),
                             None if logprobs is None else down(logprobs), runtime.new_event(enable_timing=True),
                             begin=begin, shadow=None if shadow is None else down(shadow))
         step.event.record(runtime.current_stream())

@@ -24,16 +24,16 @@ from .overlap import Transfer
 from .request import Request, Status
 
 
-def request_room(prompt_len: int, max_new_tokens: int, num_nodes: int, max_context_len: int) -> tuple[int, int] | None:
+def request_room(prompt_len: int, max_new_tokens: int, tree_size: int, max_context_len: int) -> tuple[int, int] | None:
     """The output tokens and the slot budget of a request of ``prompt_len`` prompt tokens asking
-    for ``max_new_tokens``, with ``3 * num_nodes`` of its ``max_context_len`` positions kept for
+    for ``max_new_tokens``, with ``3 * tree_size`` of its ``max_context_len`` positions kept for
     draft trees: its output is cut to what the context leaves, and it may hold up to prompt +
     output + trees slots. None when the prompt leaves no room for one output token."""
-    room = max_context_len - prompt_len - 3 * num_nodes
+    room = max_context_len - prompt_len - 3 * tree_size
     if room < 1:
         return None
     output = min(max_new_tokens, room)
-    return output, prompt_len + output + 3 * num_nodes
+    return output, prompt_len + output + 3 * tree_size
 
 
 def pages_of(slots: int, page_size: int) -> int:
@@ -50,21 +50,21 @@ class Scheduler:
         num_slots: KV-cache slots.
         max_running: rows of the request pool, the most requests decoding at once.
         max_context_len: positions per request row (prompt + output + speculation room).
-        num_nodes: D, draft-tree nodes per verify step (1 without speculation).
+        tree_size: D, draft-tree nodes per verify step (1 without speculation).
         max_prefill_tokens: prompt tokens per prefill step (a longer prompt runs alone).
         page_size: KV slots per page.
     """
 
     def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
-                 max_context_len: int, num_nodes: int, max_prefill_tokens: int, page_size: int = 1):
+                 max_context_len: int, tree_size: int, max_prefill_tokens: int, page_size: int = 1):
         self.backend = backend
         self.transfer = transfer
         self.slots = SlotAllocator(backend, num_slots, page_size)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
-        self.num_nodes = num_nodes
+        self.tree_size = tree_size
         # Slots reserved past a request's next step: at least 2*D, and 32 positions so that plain
         # and short-tree decoding allocates (two launches and three uploads) every few dozen steps.
-        self.ahead = num_nodes + max(num_nodes, 32)
+        self.ahead = tree_size + max(tree_size, 32)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -75,7 +75,7 @@ class Scheduler:
 
     def check(self, req: Request) -> str | None:
         """Clamp ``req``'s output to its context and set its slot budget; an error message if it can never run."""
-        n, D, M = len(req.prompt_ids), self.num_nodes, self.pool.max_context_len
+        n, D, M = len(req.prompt_ids), self.tree_size, self.pool.max_context_len
         if n == 0:
             return "empty prompt"
         fit = request_room(n, req.params.max_new_tokens, D, M)
@@ -125,7 +125,7 @@ class Scheduler:
     def reserve(self, reqs: list[Request], bounds: list[int]) -> None:
         """Make sure each request holds slots up to ``bound + D`` (``bounds``: KV-length upper bounds);
         a request short of that gets slots up to ``bound + ahead`` (within its budget)."""
-        D = self.num_nodes
+        D = self.tree_size
         targets = [r.allocated if r.allocated >= b + D else min(b + self.ahead, r.slot_budget)
                    for r, b in zip(reqs, bounds)]
         self.extend(reqs, targets)

@@ -21,28 +21,28 @@ from .model import ForwardBatch
 
 def verify_step(backend: Backend, forward: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
                 req_to_token: torch.Tensor, tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
-                seq_lens: torch.Tensor, q_lens: torch.Tensor, nodes: int, max_kv_len: int,
+                seq_lens: torch.Tensor, q_lens: torch.Tensor, tree_size: int, max_kv_len: int,
                 live: torch.Tensor | None = None,
                 sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                 ) -> tuple[OverlapRelay, torch.Tensor, VerifyOutput]:
-    """Verify B trees of ``nodes`` nodes each: ``(relay, logits, out)``.
+    """Verify B trees of tree size ``tree_size`` (D): ``(relay, logits, out)``.
 
     Args:
-        forward: the target forward, ``ForwardBatch -> float32[B*nodes, V]`` logits.
-        tokens: int64[B*nodes], each tree's nodes (node 0 the request's last committed token).
-        tree_mask: bool[B, nodes, nodes]. rows, seq_lens, q_lens: int64[B] (``q_lens`` = nodes).
-        max_kv_len: host int bounding every ``seq_lens + nodes``.
-        live: bool[B*nodes] or None; nodes of requests not live store no K/V (location -1).
-        sample: None for greedy verify; else ``(logits, positions) -> int64[B*nodes]``, the target's
-            own token after each node, with ``positions`` int64[B*nodes] the nodes' positions.
+        forward: the target forward, ``ForwardBatch -> float32[B*D, V]`` logits.
+        tokens: int64[B*D], each tree's nodes (node 0 the request's last committed token).
+        tree_mask: bool[B, D, D]. rows, seq_lens, q_lens: int64[B] (``q_lens`` = D).
+        max_kv_len: host int bounding every ``seq_lens + D``.
+        live: bool[B*D] or None; nodes of requests not live store no K/V (location -1).
+        sample: None for greedy verify; else ``(logits, positions) -> int64[B*D]``, the target's
+            own token after each node, with ``positions`` int64[B*D] the nodes' positions.
     """
     tree = prepare_tree(backend, tokens, tree_mask, seq_lens)
-    locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, nodes)
+    locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, tree_size)
     if live is not None:
         locs = torch.where(live, locs, -1)
     batch = ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=req_to_token,
-                         req_pool_indices=rows, kv_lens=seq_lens + nodes, q_lens=q_lens,
-                         tree_mask=tree_mask if nodes > 1 else None, max_kv_len=max_kv_len, logits_index=None)
+                         req_pool_indices=rows, kv_lens=seq_lens + tree_size, q_lens=q_lens,
+                         tree_mask=tree_mask if tree_size > 1 else None, max_kv_len=max_kv_len, logits_index=None)
     logits = forward(batch)
     if sample is None:
         out = verify_greedy(backend, tree, logits)

@@ -98,3 +98,12 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
         return torch.full((num_tokens,), SENTINEL, dtype=req_to_token.dtype, device=req_to_token.device)
     cells, ok = _cells(req_to_token, req_pool_indices, start, end, num_tokens)
     return torch.where(ok, req_to_token.view(-1).index_select(0, cells), SENTINEL)
+
+
+class CpuAllocOps:
+    """Mixin: the reference's allocation and cache-location ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _alloc_extend = staticmethod(alloc_extend)
+    _assign_req_to_token = staticmethod(assign_req_to_token)
+    _gather_cache_locs = staticmethod(gather_cache_locs)

@@ -22,12 +22,16 @@ call computes garbage for the requests concerned, but never reads or writes outs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..kv_cache import KVCache
 from .ragged import flatten, within
+
+if TYPE_CHECKING:
+    from ..layout import AttentionLayout
 
 CHUNK_BYTES = 64 << 20
 
@@ -177,3 +181,15 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
         out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale)
     out = out_rows if dense else out_rows.index_select(0, blocks.flat)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+class CpuAttentionOps:
+    """Mixin: the reference's attention, bound as the ``_attention_layout`` and ``_attention`` of
+    :class:`~ngram_hal.backend.Backend` (which has validated their arguments)."""
+
+    def _attention_layout(self, built: AttentionLayout) -> Plan:
+        return layout(built.req_to_token, built.req_pool_indices, built.kv_lens, built.q_lens,
+                      built.tree_mask, built.num_queries, built.max_kv_len)
+
+    def _attention(self, q, kv_cache, layer, built: AttentionLayout, sm_scale):
+        return attention(q, kv_cache, layer, built.plan, sm_scale)

@@ -60,3 +60,12 @@ def accepted_kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor, r
     cell = torch.where(live, req_pool_indices.unsqueeze(1) * M + col, 0).reshape(-1)
     dst = torch.where(live, req_to_token.view(-1).index_select(0, cell).reshape(B, D), SENTINEL)
     return src.reshape(-1), dst.reshape(-1)
+
+
+class CpuKvOps:
+    """Mixin: the reference's KV-cache ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _store_kv = staticmethod(store_kv)
+    _move_kv = staticmethod(move_kv)
+    _accepted_kv_moves = staticmethod(accepted_kv_moves)

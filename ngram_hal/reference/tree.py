@@ -56,3 +56,10 @@ def reconstruct_tree(tree_mask: torch.Tensor, seq_lens: torch.Tensor
     next_sibling = torch.where(sibling_after, node, D).amin(-1)
     retrieve_next_sibling = torch.where(next_sibling < D, next_sibling, -1)
     return positions, retrieve_index, retrieve_next_token, retrieve_next_sibling
+
+
+class CpuTreeOps:
+    """Mixin: the reference's draft-tree ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _reconstruct_tree = staticmethod(reconstruct_tree)

@@ -141,3 +141,11 @@ def verify_tree_sample(candidates: torch.Tensor, retrieve_index: torch.Tensor,
     accept_nodes = torch.stack(nodes[:D], dim=1)
     predicted = torch.where(torch.stack(moved, dim=1), torch.stack(taken, dim=1), bonus)
     return _outputs(accept_nodes, predicted, retrieve_index)
+
+
+class CpuVerifyOps:
+    """Mixin: the reference's verification ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _verify_tree_greedy = staticmethod(verify_tree_greedy)
+    _verify_tree_sample = staticmethod(verify_tree_sample)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -91,6 +92,16 @@ def token_list(op: str, name: str, tokens) -> list[int]:
         else:
             return tokens
     return as_tokens(op, name, tokens).tolist()
+
+
+class TrieArrays(NamedTuple):
+    """The arrays of a :class:`Corpus`'s trie, in :mod:`.trie`'s layout: ``nodes``
+    int32[capacity, NODE_FIELDS], ``table`` int64[T, 2] (the hash of (parent, token) keys to
+    nodes), ``meta`` int64[5] (``USED``, ``LIVE``, ``CLOCK``, ...)."""
+
+    nodes: np.ndarray
+    table: np.ndarray
+    meta: np.ndarray
 
 
 class Corpus:
@@ -251,10 +262,10 @@ class Corpus:
 
     # ------------------------------------------------------------------ queries
 
-    def draft(self, keys: Sequence[Hashable], num_nodes: int, mode: str = "bfs", min_match: int = 1,
+    def draft(self, keys: Sequence[Hashable], tree_size: int, mode: str = "bfs", min_match: int = 1,
               max_match: int | None = None, max_breadth: float = 10.0, min_breadth: float = 1.0,
               drafted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Draft trees of exactly ``num_nodes`` nodes for streams ``keys``.
+        """Draft trees of exactly ``tree_size`` nodes for streams ``keys``.
 
         Node 0 of each tree is the stream's last token. Nodes are in BFS order (a parent's index
         is below its children's). ``mode="bfs"``: by recency with a breadth schedule,
@@ -269,7 +280,7 @@ class Corpus:
             and bool[B, D, D] (``tree_mask[b, i, j]`` when node j is node i or its ancestor).
         """
         op = "Corpus.draft"
-        D = check_int(op, "num_nodes", num_nodes, minimum=1)
+        D = check_int(op, "tree_size", tree_size, minimum=1)
         top = self.max_depth - 1
         max_match = top if max_match is None else check_int(op, "max_match", max_match, minimum=1)
         check_int(op, "min_match", min_match, minimum=1)
@@ -344,6 +355,17 @@ class Corpus:
     def bytes_per_node(self) -> float:
         """Array bytes per node of capacity (the row and its share of the hash table)."""
         return (self._nodes.nbytes + self._table.nbytes) / self._nodes.shape[0]
+
+    def arrays(self) -> TrieArrays:
+        """The trie's arrays once pending insertions have landed: views, not copies, for
+        inspecting the trie (its tests, tools); writing them corrupts the corpus."""
+        self._settle()
+        return TrieArrays(self._nodes, self._table, self._meta)
+
+    def suffix_nodes(self, key: Hashable) -> np.ndarray:
+        """int32[max_depth]: entry d is the node of stream ``key``'s last d tokens (-1 where none
+        is recorded; entry 0 unused), as of the last :meth:`flush`."""
+        return self._state[self._row(key)].copy()
 
     # ------------------------------------------------------------------ internals
 

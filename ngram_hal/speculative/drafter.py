@@ -51,7 +51,7 @@ class DraftBatch:
         return self.tree_mask.shape[0]
 
     @property
-    def num_nodes(self) -> int:
+    def tree_size(self) -> int:
         return self.tree_mask.shape[1]
 
 
@@ -67,7 +67,7 @@ class Drafter(abc.ABC):
     """Proposes draft trees from each request's context.
 
     Errors: an unknown request id raises ``KeyError`` naming it; a context with -1 or a
-    non-integer raises ``ValueError`` naming the argument; ``num_nodes < 1`` raises ``ValueError``.
+    non-integer raises ``ValueError`` naming the argument; ``tree_size < 1`` raises ``ValueError``.
     An error leaves the drafter as it was.
     """
 
@@ -80,8 +80,8 @@ class Drafter(abc.ABC):
         """Append newly committed tokens of ``rid`` (pending ones under overlap included)."""
 
     @abc.abstractmethod
-    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
-        """Draft trees of exactly ``num_nodes`` nodes for ``rids``, in that order."""
+    def draft(self, rids: Sequence[Hashable], tree_size: int) -> DraftBatch:
+        """Draft trees of exactly ``tree_size`` nodes for ``rids``, in that order."""
 
     @abc.abstractmethod
     def erase(self, rid: Hashable) -> None:
@@ -181,10 +181,11 @@ class TrieDrafter(CorpusDrafter):
     def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
         self.corpus.extend(rid, tokens)
 
-    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
+    def draft(self, rids: Sequence[Hashable], tree_size: int) -> DraftBatch:
         cfg = self.config
+        D = check_int("TrieDrafter.draft", "tree_size", tree_size, minimum=1)
         drafted = np.empty(len(rids), np.int64)
-        tokens, _, mask = self.corpus.draft(rids, num_nodes, mode=cfg.mode, min_match=cfg.min_match,
+        tokens, _, mask = self.corpus.draft(rids, D, mode=cfg.mode, min_match=cfg.min_match,
                                             max_match=self._max_match, max_breadth=cfg.max_breadth,
                                             min_breadth=cfg.min_breadth, drafted=drafted)
         return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask), torch.from_numpy(drafted))
@@ -223,8 +224,8 @@ class LinearDrafter(CorpusDrafter):
         self.corpus.extend(rid, toks)
         context.extend(toks)
 
-    def draft(self, rids: Sequence[Hashable], num_nodes: int) -> DraftBatch:
-        D = check_int("LinearDrafter.draft", "num_nodes", num_nodes, minimum=1)
+    def draft(self, rids: Sequence[Hashable], tree_size: int) -> DraftBatch:
+        D = check_int("LinearDrafter.draft", "tree_size", tree_size, minimum=1)
         contexts = [self._context_of(rid) for rid in rids]
         tokens = np.empty((len(rids), D), np.int64)
         drafted = np.ones(len(rids), np.int64)

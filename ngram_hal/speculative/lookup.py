@@ -28,10 +28,10 @@ from .relay import OverlapRelay
 
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
-                     accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, num_nodes: int, max_ngram: int,
+                     accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int, max_ngram: int,
                      min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """Record a step's committed tokens in ``table``, then draft a chain of ``num_nodes`` per request.
+    """Record a step's committed tokens in ``table``, then draft a chain of ``tree_size`` nodes per request.
 
     Every tensor is int64 and contiguous on one device (checked by :func:`check_record_and_draft`);
     ``rows`` are distinct.
@@ -44,7 +44,7 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
         accept_lens: int64[B]; new_seq_lens: int64[B], lengths after the step. The committed
             tokens sit at positions ``new_seq_lens - accept_lens + 1 ...``; the last one, at
             ``new_seq_lens`` (below W), is the root of the next draft.
-        num_nodes: n, nodes per chain (the root included).
+        tree_size: D, nodes per chain (the root included).
         live: int64[1] or None: only the first ``live[0]`` requests are real; the others are
             padding (a captured step's), which records nothing and whose chains are unspecified.
             None: all B are real.
@@ -52,8 +52,8 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     Returns:
         int64[B*n]: request b's chain at ``b*n``, its root first (``out`` where given).
     """
-    B, W, stride, num_nodes = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens,
-                                                     accept_lens, new_seq_lens, num_nodes, live, out)
+    B, W, stride, tree_size = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens,
+                                                     accept_lens, new_seq_lens, tree_size, live, out)
     j = torch.arange(stride, dtype=torch.int64, device=table.device)
     last = new_seq_lens.clamp(max=W - 1).unsqueeze(1)
     committed = accept_tokens.view(B, stride)
@@ -84,17 +84,17 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     found = best >= 0
     end = best % W
     period = (last - end).clamp(min=1)
-    i = torch.arange(num_nodes - 1, dtype=torch.int64, device=table.device).unsqueeze(0)
+    i = torch.arange(tree_size - 1, dtype=torch.int64, device=table.device).unsqueeze(0)
     copied = ctx.gather(1, (end + 1 + i % period).clamp(max=W - 1))
     chain = torch.where(found, copied, root)
     chains = torch.cat([root, chain], dim=1).view(-1)
     return chains if out is None else out.copy_(chains)
 
 
-def chain_masks(batch_size: int, num_nodes: int, device) -> torch.Tensor:
+def chain_masks(batch_size: int, tree_size: int, device) -> torch.Tensor:
     """bool[B, n, n], contiguous: the tree masks of B chains (node i the child of node i-1)."""
-    chain = torch.ones((num_nodes, num_nodes), dtype=torch.bool, device=device).tril()
-    return chain.expand(batch_size, num_nodes, num_nodes).contiguous()
+    chain = torch.ones((tree_size, tree_size), dtype=torch.bool, device=device).tril()
+    return chain.expand(batch_size, tree_size, tree_size).contiguous()
 
 
 class DeviceDrafter:
@@ -102,7 +102,7 @@ class DeviceDrafter:
 
     Two ways to draft. :meth:`draft` records a relay and drafts the chains of the step about to
     run. :meth:`draft_next` records a step's relay as part of that step (a captured step's graph
-    includes it) and drafts the *next* step's chains of ``num_nodes`` into :attr:`next_chains`; if
+    includes it) and drafts the *next* step's chains of ``tree_size`` into :attr:`next_chains`; if
     the next step runs the same requests in the same order, it takes the first n nodes of each
     (the first n nodes of a chain are the chain of n) with no launch of its own
     (:meth:`chains_ahead`).
@@ -112,26 +112,26 @@ class DeviceDrafter:
             :func:`record_and_draft` where it has none).
         num_rows, width: the token table's shape, the request table's: R request-pool rows of W
             positions.
-        num_nodes: D, the longest chain a step takes from :attr:`next_chains`.
+        tree_size: D, the longest chain a step takes from :attr:`next_chains`.
         max_ngram, min_ngram: the longest and shortest suffix matched.
 
     Attributes:
         kernel: the record-and-draft implementation it runs (the backend's, or :func:`record_and_draft`).
     """
 
-    def __init__(self, backend: Backend, num_rows: int, width: int, num_nodes: int = 1, max_ngram: int = 8,
+    def __init__(self, backend: Backend, num_rows: int, width: int, tree_size: int = 1, max_ngram: int = 8,
                  min_ngram: int = 1):
         op = "DeviceDrafter"
         c.check_int(op, "num_rows", num_rows, minimum=1)
         c.check_int(op, "width", width, minimum=2)
-        self.num_nodes = c.check_int(op, "num_nodes", num_nodes, minimum=1)
+        self.tree_size = c.check_int(op, "tree_size", tree_size, minimum=1)
         self.max_ngram = c.check_int(op, "max_ngram", max_ngram, minimum=1)
         self.min_ngram = c.check_int(op, "min_ngram", min_ngram, minimum=1)
         if min_ngram > max_ngram:
             raise c.ContractError(op, "min_ngram", f"expected <= max_ngram ({max_ngram}), got {min_ngram}")
         self.device = backend.device
         self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
-        self.next_chains = torch.zeros((num_rows, num_nodes), dtype=torch.int64, device=self.device)
+        self.next_chains = torch.zeros((num_rows, tree_size), dtype=torch.int64, device=self.device)
         self.kernel = backend.lookup_kernel() or record_and_draft
         self._chains: dict[int, torch.Tensor] = {}
 
@@ -154,19 +154,20 @@ class DeviceDrafter:
         index = rows.repeat_interleave(lens, output_size=N) * self.table.shape[1] + positions
         self.table.view(-1).index_copy_(0, index, tokens)
 
-    def draft(self, rows: torch.Tensor, relay: OverlapRelay, num_nodes: int) -> torch.Tensor:
-        """Record ``relay``'s committed tokens and draft a chain of ``num_nodes`` per request.
+    def draft(self, rows: torch.Tensor, relay: OverlapRelay, tree_size: int) -> torch.Tensor:
+        """Record ``relay``'s committed tokens and draft a chain of ``tree_size`` per request.
 
         Args:
             rows: int64[B], the relay's requests' rows, in relay order.
             relay: the last step's results of those requests (after a prefill: the first token).
-            num_nodes: n >= 1 (1 records only and returns the roots).
+            tree_size: n >= 1 (1 records only and returns the roots).
         Returns:
             int64[B*n] on the device: each request's root, then n-1 drafted tokens.
 
-        The implementation checks the arguments (:func:`check_record_and_draft`).
+        The implementation checks the other arguments (:func:`check_record_and_draft`).
         """
-        return self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, num_nodes,
+        c.check_int("DeviceDrafter.draft", "tree_size", tree_size, minimum=1)
+        return self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, tree_size,
                     self.max_ngram, self.min_ngram)
 
     def draft_next(self, rows: torch.Tensor, relay: OverlapRelay, live: torch.Tensor | None = None) -> None:
@@ -183,20 +184,20 @@ class DeviceDrafter:
         if B > self.next_chains.shape[0]:
             raise c.ContractError("DeviceDrafter.draft_next", "rows",
                                   f"{B} requests exceed the {self.next_chains.shape[0]} rows of next_chains")
-        self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.num_nodes,
+        self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.tree_size,
              self.max_ngram, self.min_ngram, live, self.next_chains[:B].view(-1))
 
-    def chains_ahead(self, batch_size: int, num_nodes: int) -> torch.Tensor:
+    def chains_ahead(self, batch_size: int, tree_size: int) -> torch.Tensor:
         """int64[B, n], a view: the first n nodes of the chains :meth:`draft_next` drafted for the
         first B requests (valid while the next step runs the requests that step ran, in order)."""
-        if not 1 <= num_nodes <= self.num_nodes:
-            raise c.ContractError("DeviceDrafter.chains_ahead", "num_nodes",
-                                  f"expected 1 to {self.num_nodes}, got {num_nodes}")
-        return self.next_chains[:batch_size, :num_nodes]
+        if not 1 <= tree_size <= self.tree_size:
+            raise c.ContractError("DeviceDrafter.chains_ahead", "tree_size",
+                                  f"expected 1 to {self.tree_size}, got {tree_size}")
+        return self.next_chains[:batch_size, :tree_size]
 
-    def chain_masks(self, batch_size: int, num_nodes: int) -> torch.Tensor:
+    def chain_masks(self, batch_size: int, tree_size: int) -> torch.Tensor:
         """bool[B, n, n]: the tree masks of B chains (node i the child of node i-1); cached."""
-        masks = self._chains.get(num_nodes)
+        masks = self._chains.get(tree_size)
         if masks is None or masks.shape[0] < batch_size:
-            masks = self._chains[num_nodes] = chain_masks(max(batch_size, 1), num_nodes, self.device)
+            masks = self._chains[tree_size] = chain_masks(max(batch_size, 1), tree_size, self.device)
         return masks[:batch_size]

@@ -27,18 +27,18 @@ class OverlapRelay:
             ``j < accept_lens[b]``, -1 elsewhere.
         accept_lens: int64[B], tokens committed per request (accepted drafts + 1 bonus).
         new_seq_lens: int64[B], each request's length after the step.
-        num_nodes: D, the stride of ``accept_tokens``: the draft-tree nodes per request of the
+        tree_size: D, the stride of ``accept_tokens``: the draft-tree nodes per request of the
             step that produced the relay (a host int).
     """
 
     accept_tokens: torch.Tensor
     accept_lens: torch.Tensor
     new_seq_lens: torch.Tensor
-    num_nodes: int
+    tree_size: int
 
     def __post_init__(self):
         op = "OverlapRelay"
-        D = c.check_int(op, "num_nodes", self.num_nodes, minimum=1)
+        D = c.check_int(op, "tree_size", self.tree_size, minimum=1)
         if not isinstance(self.accept_lens, torch.Tensor):
             raise c.ContractError(op, "accept_lens", f"expected a torch.Tensor, got {type(self.accept_lens).__name__}")
         lens = c.check_index(op, "accept_lens", self.accept_lens, self.accept_lens.device, ndim=1)
@@ -47,10 +47,10 @@ class OverlapRelay:
         c.check_index(op, "new_seq_lens", self.new_seq_lens, lens.device, shape=(B,))
 
     @classmethod
-    def empty(cls, num_nodes: int, device: torch.device | str) -> "OverlapRelay":
+    def empty(cls, tree_size: int, device: torch.device | str) -> "OverlapRelay":
         """A relay of no requests."""
         none = torch.empty(0, dtype=torch.int64, device=device)
-        return cls(none, none.clone(), none.clone(), num_nodes)
+        return cls(none, none.clone(), none.clone(), tree_size)
 
     @property
     def batch_size(self) -> int:
@@ -63,26 +63,26 @@ class OverlapRelay:
 
     def last_tokens(self) -> torch.Tensor:
         """int64[B], each request's last committed token (the root of its next draft tree)."""
-        B, D = self.batch_size, self.num_nodes
+        B, D = self.batch_size, self.tree_size
         last = (self.accept_lens - 1).clamp(min=0).unsqueeze(1)
         return self.accept_tokens.view(B, D).gather(1, last).squeeze(1)
 
     def filter(self, keep_indices: torch.Tensor) -> "OverlapRelay":
         """The relay of the requests ``keep_indices`` (int64[K], on this relay's device), in that order."""
         keep = c.check_index("OverlapRelay.filter", "keep_indices", keep_indices, self.device, ndim=1)
-        tokens = self.accept_tokens.view(self.batch_size, self.num_nodes).index_select(0, keep)
+        tokens = self.accept_tokens.view(self.batch_size, self.tree_size).index_select(0, keep)
         return OverlapRelay(tokens.reshape(-1), self.accept_lens.index_select(0, keep),
-                            self.new_seq_lens.index_select(0, keep), self.num_nodes)
+                            self.new_seq_lens.index_select(0, keep), self.tree_size)
 
-    def widen(self, num_nodes: int) -> "OverlapRelay":
-        """The same results laid out with the larger stride ``num_nodes`` (-1 padded); this relay
-        itself where the stride is already ``num_nodes``."""
-        D = c.check_int("OverlapRelay.widen", "num_nodes", num_nodes, minimum=self.num_nodes)
-        if D == self.num_nodes:
+    def widen(self, tree_size: int) -> "OverlapRelay":
+        """The same results laid out with the larger stride ``tree_size`` (-1 padded); this relay
+        itself where the stride is already ``tree_size``."""
+        D = c.check_int("OverlapRelay.widen", "tree_size", tree_size, minimum=self.tree_size)
+        if D == self.tree_size:
             return self
         B = self.batch_size
         tokens = torch.full((B, D), -1, dtype=torch.int64, device=self.device)
-        tokens[:, :self.num_nodes] = self.accept_tokens.view(B, self.num_nodes)
+        tokens[:, :self.tree_size] = self.accept_tokens.view(B, self.tree_size)
         return OverlapRelay(tokens.view(-1), self.accept_lens, self.new_seq_lens, D)
 
     def merge(self, other: "OverlapRelay") -> "OverlapRelay":
@@ -93,7 +93,7 @@ class OverlapRelay:
             raise c.ContractError(op, "other", f"expected an OverlapRelay, got {type(other).__name__}")
         if not c.same_device(other.device, self.device):
             raise c.ContractError(op, "other", f"expected a relay on {self.device}, got one on {other.device}")
-        D = max(self.num_nodes, other.num_nodes)
+        D = max(self.tree_size, other.tree_size)
         mine, theirs = self.widen(D), other.widen(D)
         return OverlapRelay(torch.cat([mine.accept_tokens, theirs.accept_tokens]),
                             torch.cat([mine.accept_lens, theirs.accept_lens]),

@@ -32,13 +32,13 @@ from .relay import OverlapRelay
 
 @dataclass
 class Trees:
-    """The draft trees of one verify step of B requests, ``nodes`` nodes each, on the device.
+    """The draft trees of one verify step of B requests, of tree size ``tree_size`` (n), on the device.
 
     Attributes:
         tokens: int64[B*n] or int64[B, n] (a view will do): node 0 of each tree is the request's
             last committed token.
         mask: bool[B, n, n], ``mask[b, i, j]`` when node j is node i or one of its ancestors.
-        nodes: n.
+        tree_size: n, the nodes of each tree (the root included).
         offered: host ints[B], the drafts each request was offered (its tree's drafted nodes
             past the root, within n).
         guess: int64[B] or None: for a plain step, each request's first draft (drafted anyway,
@@ -47,7 +47,7 @@ class Trees:
 
     tokens: torch.Tensor
     mask: torch.Tensor
-    nodes: int
+    tree_size: int
     offered: list[int]
     guess: torch.Tensor | None = None
 
@@ -85,13 +85,13 @@ class DraftSource:
     def forget(self) -> None:
         """Forget everything learned from text, as a new source would be."""
 
-    def plan(self, rids: Sequence[str], nodes: int, padded: bool) -> int:
-        """On the host, before the step's first device op: the nodes per request the step will
-        run, given the ``nodes`` the policy chose (``padded``: captured shapes, powers of two)."""
-        return nodes
+    def plan(self, rids: Sequence[str], tree_size: int, padded: bool) -> int:
+        """On the host, before the step's first device op: the tree size the step will
+        run, given the ``tree_size`` the policy chose (``padded``: captured shapes, powers of two)."""
+        return tree_size
 
-    def trees(self, relay: OverlapRelay, rows: torch.Tensor, nodes: int, score_plain: bool) -> Trees:
-        """The trees of ``nodes`` nodes (as :meth:`plan` returned) for the relay's requests, whose
+    def trees(self, relay: OverlapRelay, rows: torch.Tensor, tree_size: int, score_plain: bool) -> Trees:
+        """The trees of size ``tree_size`` (as :meth:`plan` returned) for the relay's requests, whose
         request-pool rows are ``rows`` int64[B]; ``score_plain``: a plain step also wants each
         request's first draft (:attr:`Trees.guess`) where the source has it for free."""
         return self.roots(relay)
@@ -145,27 +145,27 @@ class HostDrafts(DraftSource):
         self.drafter = self._make()
         self.drafter.prepare()  # memory the drafter maps lazily is mapped now, not at the first requests
 
-    def plan(self, rids, nodes: int, padded: bool) -> int:
+    def plan(self, rids, tree_size: int, padded: bool) -> int:
         self._draft = None
-        if nodes == 1:
+        if tree_size == 1:
             return 1
-        self._draft = self.drafter.draft(rids, nodes)
+        self._draft = self.drafter.draft(rids, tree_size)
         # Nodes past every tree's drafted count are padding: run the first n of them (BFS order
         # keeps each parent before its children), 1 when nothing was drafted.
         n = int(self._draft.drafted.max())
         if padded and n > 1:
-            n = min(nodes, 1 << (n - 1).bit_length())  # more padding nodes, fewer shapes
+            n = min(tree_size, 1 << (n - 1).bit_length())  # more padding nodes, fewer shapes
         return n
 
-    def trees(self, relay, rows, nodes: int, score_plain: bool) -> Trees:
+    def trees(self, relay, rows, tree_size: int, score_plain: bool) -> Trees:
         draft, self._draft = self._draft, None
-        if nodes == 1:
+        if tree_size == 1:
             return self.roots(relay)
         B = relay.batch_size
-        drafts = self._upload(draft.tokens.view(B, -1)[:, 1:nodes].contiguous())
+        drafts = self._upload(draft.tokens.view(B, -1)[:, 1:tree_size].contiguous())
         tokens = torch.cat([relay.last_tokens().unsqueeze(1), drafts], dim=1).view(-1)
-        mask = self._upload(draft.tree_mask[:, :nodes, :nodes].contiguous())
-        return Trees(tokens, mask, nodes, [min(nodes, d) - 1 for d in draft.drafted.tolist()])
+        mask = self._upload(draft.tree_mask[:, :tree_size, :tree_size].contiguous())
+        return Trees(tokens, mask, tree_size, [min(tree_size, d) - 1 for d in draft.drafted.tolist()])
 
 
 class DeviceDrafts(DraftSource):
@@ -188,19 +188,19 @@ class DeviceDrafts(DraftSource):
     def add_prompts(self, rids, prompts, rows, lens, tokens) -> None:
         self.lookup.add_prompts(rows, lens, tokens)
 
-    def trees(self, relay, rows, nodes: int, score_plain: bool) -> Trees:
+    def trees(self, relay, rows, tree_size: int, score_plain: bool) -> Trees:
         # A plain step under a scoring policy keeps each chain's first draft, to score it against
         # the token the step commits: acceptance keeps following the text.
         B = relay.batch_size
-        width = 2 if nodes == 1 and score_plain else nodes
+        width = 2 if tree_size == 1 and score_plain else tree_size
         if self._chains_for is relay:
             chains = self.lookup.chains_ahead(B, width)
         else:
             chains = self.lookup.draft(rows, relay, width).view(B, width)
             self.launches += 1
-        guess = chains[:, 1].clone() if width > nodes else None
-        return Trees(chains[:, :nodes], self.lookup.chain_masks(B, nodes), nodes,
-                     [1 if guess is not None else nodes - 1] * B, guess)
+        guess = chains[:, 1].clone() if width > tree_size else None
+        return Trees(chains[:, :tree_size], self.lookup.chain_masks(B, tree_size), tree_size,
+                     [1 if guess is not None else tree_size - 1] * B, guess)
 
     def stepped(self, rows, relay, captured: bool) -> None:
         if not captured:

@@ -52,7 +52,7 @@ class TreeBatch:
         return self.candidates.shape[0]
 
     @property
-    def num_nodes(self) -> int:
+    def tree_size(self) -> int:
         return self.candidates.shape[1]
 
     @property
@@ -76,7 +76,7 @@ class VerifyOutput:
     accept_len: torch.Tensor
 
 
-def slots_needed(seq_len: int, allocated_len: int, num_nodes: int) -> int:
+def slots_needed(seq_len: int, allocated_len: int, tree_size: int) -> int:
     """Slots to allocate for a request before a verify step (host ints).
 
     A step writes the D tree nodes at positions ``seq_len .. seq_len + D - 1``. When fewer than
@@ -85,19 +85,19 @@ def slots_needed(seq_len: int, allocated_len: int, num_nodes: int) -> int:
     op = "slots_needed"
     c.check_int(op, "seq_len", seq_len)
     c.check_int(op, "allocated_len", allocated_len)
-    c.check_int(op, "num_nodes", num_nodes, minimum=1)
-    if allocated_len >= seq_len + num_nodes:
+    c.check_int(op, "tree_size", tree_size, minimum=1)
+    if allocated_len >= seq_len + tree_size:
         return 0
-    return seq_len + 2 * num_nodes - allocated_len
+    return seq_len + 2 * tree_size - allocated_len
 
 
 def tree_cache_locs(backend: Backend, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor, num_nodes: int) -> torch.Tensor:
+                    seq_lens: torch.Tensor, tree_size: int) -> torch.Tensor:
     """``out_cache_loc`` int64[B*D]: entry ``b*D + i`` is ``req_to_token[r_b, seq_len_b + i]``."""
-    c.check_int("tree_cache_locs", "num_nodes", num_nodes, minimum=1)
+    c.check_int("tree_cache_locs", "tree_size", tree_size, minimum=1)
     B = req_pool_indices.shape[0]
-    return backend.gather_cache_locs(req_to_token, req_pool_indices, seq_lens, seq_lens + num_nodes,
-                                     num_tokens=B * num_nodes)
+    return backend.gather_cache_locs(req_to_token, req_pool_indices, seq_lens, seq_lens + tree_size,
+                                     num_tokens=B * tree_size)
 
 
 def prepare_tree(backend: Backend, draft_tokens: torch.Tensor, tree_mask: torch.Tensor,
@@ -118,7 +118,7 @@ def prepare_tree(backend: Backend, draft_tokens: torch.Tensor, tree_mask: torch.
 
 def verify_greedy(backend: Backend, tree: TreeBatch, logits: torch.Tensor) -> VerifyOutput:
     """Greedy verify against the target's logits float[B*D, V] (row ``b*D + i``: after node i)."""
-    B, D = tree.batch_size, tree.num_nodes
+    B, D = tree.batch_size, tree.tree_size
     c.check_float("verify_greedy", "logits", logits, backend.device, shape=(B * D, None))
     return verify_tokens(backend, tree, logits.argmax(-1))
 
@@ -126,7 +126,7 @@ def verify_greedy(backend: Backend, tree: TreeBatch, logits: torch.Tensor) -> Ve
 def verify_tokens(backend: Backend, tree: TreeBatch, target_tokens: torch.Tensor) -> VerifyOutput:
     """Verify against the target's own token after each node, int64[B*D] (its argmax, or a token
     it sampled there): a draft is accepted exactly when it equals that token."""
-    B, D = tree.batch_size, tree.num_nodes
+    B, D = tree.batch_size, tree.tree_size
     return VerifyOutput(*backend.verify_tree_greedy(tree.candidates, *tree.retrieve, target_tokens.view(B, D)))
 
 
@@ -142,7 +142,7 @@ def verify_sample(backend: Backend, tree: TreeBatch, probs: torch.Tensor,
             it lives on the backend's device.
         uniform_samples: float[B, D], the acceptance coin of each node. uniform_final: float[B].
     """
-    B, D = tree.batch_size, tree.num_nodes
+    B, D = tree.batch_size, tree.tree_size
     c.check_float("verify_sample", "probs", probs, backend.device, shape=(B * D, None))
     if uniform_samples is None:
         uniform_samples = torch.rand((B, D), generator=generator, device=probs.device)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ngram_hal.backend import Backend
-from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
+from ngram_hal.kernels.triton import LaunchConfig, interpreting
 from ngram_hal.kernels.triton.ops import TritonHalOps
 from ngram_hal.proxy import ProxyFlag, requested
 
@@ -47,15 +47,12 @@ class CudaBackend(TritonHalOps, Backend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Native: a CUDA (not ROCm) build of torch that sees a device, and Triton. Proxy
-        (opt-in, ``NGRAM_HAL_CUDA_PROXY=1``): Triton and ``TRITON_INTERPRET=1``."""
+        """Native: a CUDA (not ROCm) build of torch that sees a device. Proxy (opt-in,
+        ``NGRAM_HAL_CUDA_PROXY=1``): ``TRITON_INTERPRET=1``. (Without Triton the backend does not
+        load.)"""
         if _native():
-            if not triton_available():
-                return False, "triton is not installed (pip install triton)"
             return True, ""
         if requested(PROXY_ENV):
-            if not triton_available():
-                return False, "proxy run requested but triton is not installed"
             if not interpreting():
                 return False, "proxy run requested but TRITON_INTERPRET is not 1 and there is no CUDA device"
             return True, "proxy: no CUDA device; Triton kernels interpreted on the CPU"

@@ -55,3 +55,12 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     """``req_to_token[r_b, start_b:end_b]`` for every request, concatenated: int64[num_tokens]."""
     cells = _cells(req_to_token, req_pool_indices, start, end, num_tokens, "gather_cache_locs")
     return req_to_token.view(-1).index_select(0, cells)
+
+
+class NpuAllocOps:
+    """Mixin: the NPU backend's allocation and cache-location ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _alloc_extend = staticmethod(alloc_extend)
+    _assign_req_to_token = staticmethod(assign_req_to_token)
+    _gather_cache_locs = staticmethod(gather_cache_locs)

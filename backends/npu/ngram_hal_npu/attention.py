@@ -117,3 +117,14 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan, sm_scale: fl
         probs = weights / torch.where(total > 0, total, 1.0)
         out[s:e] = torch.matmul(probs, v).view(e - s, Hq, d).to(q.dtype)
     return out
+
+
+class NpuAttentionOps:
+    """Mixin: the NPU backend's attention, bound as the ``_attention_layout`` and ``_attention`` of
+    :class:`~ngram_hal.backend.Backend` (which has validated their arguments)."""
+
+    def _attention_layout(self, built: AttentionLayout) -> Plan:
+        return layout(built)
+
+    def _attention(self, q, kv_cache, layer, built: AttentionLayout, sm_scale):
+        return attention(q, kv_cache, layer, built.plan, sm_scale)

@@ -26,7 +26,11 @@ import torch
 from ngram_hal.backend import Backend
 from ngram_hal.proxy import ProxyFlag, requested
 
-from . import alloc, attention, kv, tree, verify
+from .alloc import NpuAllocOps
+from .attention import NpuAttentionOps
+from .kv import NpuKvOps
+from .tree import NpuTreeOps
+from .verify import NpuVerifyOps
 
 PROXY_ENV = "NGRAM_HAL_NPU_PROXY"
 
@@ -52,7 +56,7 @@ def _native() -> bool:
     return npu_status()[0]
 
 
-class NpuBackend(Backend):
+class NpuBackend(NpuAllocOps, NpuKvOps, NpuTreeOps, NpuVerifyOps, NpuAttentionOps, Backend):
     """The Ascend backend: device ``npu``; ``cpu`` in a proxy run."""
 
     name = "npu"
@@ -79,20 +83,3 @@ class NpuBackend(Backend):
         if requested(PROXY_ENV):
             return True, f"proxy: {reason}; the backend's torch ops run on CPU tensors"
         return False, f"{reason}; set {PROXY_ENV}=1 for a proxy run on the CPU"
-
-    # The ops' arguments were validated by Backend; each body is the function of the same name.
-    _alloc_extend = staticmethod(alloc.alloc_extend)
-    _assign_req_to_token = staticmethod(alloc.assign_req_to_token)
-    _gather_cache_locs = staticmethod(alloc.gather_cache_locs)
-    _store_kv = staticmethod(kv.store_kv)
-    _move_kv = staticmethod(kv.move_kv)
-    _accepted_kv_moves = staticmethod(kv.accepted_kv_moves)
-    _reconstruct_tree = staticmethod(tree.reconstruct_tree)
-    _verify_tree_greedy = staticmethod(verify.verify_tree_greedy)
-    _verify_tree_sample = staticmethod(verify.verify_tree_sample)
-
-    def _attention_layout(self, layout):
-        return attention.layout(layout)
-
-    def _attention(self, q, kv_cache, layer, layout, sm_scale):
-        return attention.attention(q, kv_cache, layer, layout.plan, sm_scale)

@@ -60,3 +60,12 @@ def accepted_kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor, r
     dst = take(op, "seq_lens", req_to_token.view(-1), torch.where(accepted, cell, 0))
     return (torch.where(accepted, src, SENTINEL).reshape(-1),
             torch.where(accepted, dst, SENTINEL).reshape(-1))
+
+
+class NpuKvOps:
+    """Mixin: the NPU backend's KV-cache ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _store_kv = staticmethod(store_kv)
+    _move_kv = staticmethod(move_kv)
+    _accepted_kv_moves = staticmethod(accepted_kv_moves)

@@ -73,3 +73,10 @@ def reconstruct_tree(tree_mask: torch.Tensor, seq_lens: torch.Tensor
     opens = (grouped != prev_parent) & (grouped >= 0)
     first_child = scatter_nodes(op, B, D, grouped, order, opens)
     return positions, retrieve_index, first_child, next_sibling
+
+
+class NpuTreeOps:
+    """Mixin: the NPU backend's draft-tree ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _reconstruct_tree = staticmethod(reconstruct_tree)

@@ -157,3 +157,11 @@ def verify_tree_sample(candidates: torch.Tensor, retrieve_index: torch.Tensor,
     bonus = torch.searchsorted(cdf, threshold, right=True).clamp(max=V - 1)
     token = torch.where(chosen >= 0, node_take(op, candidates, chosen.clamp(min=0)), bonus)
     return _outputs(op, accepted, token, retrieve_index)
+
+
+class NpuVerifyOps:
+    """Mixin: the NPU backend's verification ops, bound as the ``_<op>`` of :class:`~ngram_hal.backend.Backend`
+    (which has validated their arguments)."""
+
+    _verify_tree_greedy = staticmethod(verify_tree_greedy)
+    _verify_tree_sample = staticmethod(verify_tree_sample)

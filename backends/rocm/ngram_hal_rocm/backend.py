@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ngram_hal.backend import Backend
-from ngram_hal.kernels.triton import LaunchConfig, interpreting, triton_available
+from ngram_hal.kernels.triton import LaunchConfig, interpreting
 from ngram_hal.kernels.triton.ops import TritonHalOps
 from ngram_hal.proxy import ProxyFlag, requested
 
@@ -87,19 +87,15 @@ class RocmBackend(TritonHalOps, Backend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Native: a ROCm build of torch that sees a device, and Triton. Proxy (opt-in,
-        ``NGRAM_HAL_ROCM_PROXY=1``): Triton and ``TRITON_INTERPRET=1`` or an NVIDIA GPU; the
-        reason then says it is a proxy."""
+        """Native: a ROCm build of torch that sees a device. Proxy (opt-in,
+        ``NGRAM_HAL_ROCM_PROXY=1``): ``TRITON_INTERPRET=1`` or an NVIDIA GPU; the reason then says
+        it is a proxy. (Without Triton the backend does not load.)"""
         if _native():
             if not torch.cuda.is_available():
                 return False, f"torch {torch.__version__} (HIP {torch.version.hip}) sees no ROCm device"
-            if not triton_available():
-                return False, "triton is not installed (ROCm builds of torch pair with pytorch-triton-rocm)"
             return True, ""
         if not requested(PROXY_ENV):
             return False, f"torch {torch.__version__} is not a ROCm build; set {PROXY_ENV}=1 for a proxy run"
-        if not triton_available():
-            return False, "proxy run requested but triton is not installed"
         device = proxy_device()
         if device is None:
             return False, "proxy run requested but TRITON_INTERPRET is not 1 and there is no CUDA device"

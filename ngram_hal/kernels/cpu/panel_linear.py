@@ -20,7 +20,7 @@ On one thread the kernel is a serial build (numba's parallel launch costs more t
 there, and its idle pool threads would spin on the other cores); on more, the panels are split
 among ``torch.get_num_threads()`` threads. Both paths do the same float operations per output
 element in the same order, so up to ``KERNEL_ROWS`` an output row does not depend on the other
-rows of the batch or on the thread count (``tests/test_panel_linear.py``). Past that the product
+rows of the batch or on the thread count (``tests/backends/test_panel_linear.py``). Past that the product
 is compute-bound and each panel goes to ``torch.mm`` (BLAS).
 """
 

@@ -58,7 +58,7 @@ def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
+def linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
                    NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, IEEE: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -140,7 +140,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
     out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         grid = (triton.cdiv(N, tiling.block_n), triton.cdiv(M, tiling.block_m))
-        _linear_kernel[grid](x, weight, out, M, N, K, 0.0 if norm_eps is None else norm_eps,
+        linear_kernel[grid](x, weight, out, M, N, K, 0.0 if norm_eps is None else norm_eps,
                              NORM=norm_eps is not None, GLU=glu, ADD=residual is not None, BLOCK_M=tiling.block_m,
                              BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                              NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,

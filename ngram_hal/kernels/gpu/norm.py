@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -43,6 +43,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
         raise ValueError(f"rms_norm: delta must be contiguous {tuple(x.shape)} {x.dtype}")
     out = torch.empty_like(x)
     if N:
-        _rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, out, hidden, eps,
+        rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, out, hidden, eps,
                                ADD=delta is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=4)
     return out

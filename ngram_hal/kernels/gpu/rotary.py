@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_ptr, max_pos, num_slots,
+def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_ptr, max_pos, num_slots,
                          HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, HALF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -81,7 +81,7 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
         raise ValueError(f"rotary_store: head_dim {d} must be a power of two")
     q = torch.empty((N, Hq, d), dtype=qkv.dtype, device=qkv.device)
     if N:
-        _rotary_store_kernel[(N,)](qkv, positions, table, q, k_cache, v_cache, out_cache_loc, table.shape[0],
+        rotary_store_kernel[(N,)](qkv, positions, table, q, k_cache, v_cache, out_cache_loc, table.shape[0],
                                    k_cache.shape[0] - 1, HQ=Hq, H=H, HEAD_DIM=d,
                                    BLOCK_H=triton.next_power_of_2(Hq + H), HALF=d // 2, num_warps=4)
     return q

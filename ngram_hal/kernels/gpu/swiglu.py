@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _swiglu_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def swiglu_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -35,5 +35,5 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((N, inter), dtype=gate_up.dtype, device=gate_up.device)
     if N:
         block = min(1024, triton.next_power_of_2(inter))
-        _swiglu_kernel[(N, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+        swiglu_kernel[(N, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
     return out

@@ -6,11 +6,12 @@ by :class:`ngram_hal.Backend`; the wrappers add only what the kernels themselves
 configuration (warps, block sizes) comes from the backend as a :class:`LaunchConfig`, so the same
 kernels serve 32-wide warps and 64-wide wavefronts.
 
-Importing this package does not import Triton; each kernel module does, on first use. Triton
-decides whether to interpret kernels (``TRITON_INTERPRET=1``, on CPU tensors) when a kernel module
-is imported, so set that variable before the first op runs.
+Importing this package does not import Triton; each kernel module does, and :mod:`.ops` (the
+mixin a backend lists) imports them all. Triton decides whether to interpret kernels
+(``TRITON_INTERPRET=1``, on CPU tensors) when a kernel module is imported, so set that variable
+before a Triton backend is loaded.
 """
 
-from .launch import LaunchConfig, interpreting, triton_available
+from .launch import LaunchConfig, interpreting
 
-__all__ = ["LaunchConfig", "interpreting", "triton_available"]
+__all__ = ["LaunchConfig", "interpreting"]

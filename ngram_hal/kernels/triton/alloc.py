@@ -47,7 +47,7 @@ def _fill_tail(out_ptr, b, B, end, num_out, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _alloc_extend_kernel(prefix_ptr, seq_ptr, last_ptr, free_ptr, out_ptr, B, num_free, num_out, page_size,
+def alloc_extend_kernel(prefix_ptr, seq_ptr, last_ptr, free_ptr, out_ptr, B, num_free, num_out, page_size,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # Tokens and new pages of the requests before b: where b's slots and pages start.
@@ -85,7 +85,7 @@ def _alloc_extend_kernel(prefix_ptr, seq_ptr, last_ptr, free_ptr, out_ptr, B, nu
 
 
 @triton.jit
-def _assign_req_to_token_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, locs_ptr, num_rows, row_len, num_locs,
+def assign_req_to_token_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, locs_ptr, num_rows, row_len, num_locs,
                                 BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     off = _lengths_before(start_ptr, end_ptr, b, num_locs, BLOCK_B)
@@ -103,7 +103,7 @@ def _assign_req_to_token_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, locs_pt
 
 
 @triton.jit
-def _gather_cache_locs_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, out_ptr, B, num_rows, row_len, num_out,
+def gather_cache_locs_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, out_ptr, B, num_rows, row_len, num_out,
                               BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     off = _lengths_before(start_ptr, end_ptr, b, num_out, BLOCK_B)
@@ -157,7 +157,7 @@ def alloc_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: to
     out, launch = _output(num_new_tokens, B, prefix_lens.device)
     if launch:
         block_b, block_t = _blocks(B, num_new_tokens, cfg)
-        _alloc_extend_kernel[(B,)](prefix_lens, seq_lens, last_loc, free_pages, out, B, free_pages.shape[0],
+        alloc_extend_kernel[(B,)](prefix_lens, seq_lens, last_loc, free_pages, out, B, free_pages.shape[0],
                                    num_new_tokens, page_size, BLOCK_B=block_b, BLOCK_T=block_t,
                                    num_warps=cfg.num_warps, **cfg.options())
     return out
@@ -177,7 +177,7 @@ def assign_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
         return
     R, M = req_to_token.shape
     block_b, block_t = _blocks(B, N, cfg)
-    _assign_req_to_token_kernel[(B,)](req_to_token, req_pool_indices, start, end, locs, R, M, N,
+    assign_req_to_token_kernel[(B,)](req_to_token, req_pool_indices, start, end, locs, R, M, N,
                                       BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
 
 
@@ -196,6 +196,20 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     if launch:
         R, M = req_to_token.shape
         block_b, block_t = _blocks(B, num_tokens, cfg)
-        _gather_cache_locs_kernel[(B,)](req_to_token, req_pool_indices, start, end, out, B, R, M, num_tokens,
+        gather_cache_locs_kernel[(B,)](req_to_token, req_pool_indices, start, end, out, B, R, M, num_tokens,
                                         BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
     return out
+
+
+class TritonAllocOps:
+    """Mixin: the allocation and cache-location kernels as the ``_<op>`` of :class:`~ngram_hal.backend.Backend` (which
+    has validated the arguments), launched with the backend's ``launch``."""
+
+    def _alloc_extend(self, *args):
+        return alloc_extend(*args, self.launch)
+
+    def _assign_req_to_token(self, *args):
+        return assign_req_to_token(*args, self.launch)
+
+    def _gather_cache_locs(self, *args):
+        return gather_cache_locs(*args, self.launch)

@@ -45,7 +45,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk"])
-def _attention_kernel(
+def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
@@ -160,7 +160,7 @@ def _attention_kernel(
 
 
 @triton.jit
-def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
+def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[n, hq] = the splits' partial outputs weighted by their share of the softmax mass."""
     row = tl.program_id(0).to(tl.int64)
@@ -298,7 +298,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     mask = tree.view(torch.uint8) if tree is not None else plan.q_lens
     k_layer, v_layer = kv.k[layer], kv.v[layer]
     grid = (num_tiles, H, splits)
-    _attention_kernel[grid](
+    attention_kernel[grid](
         q, k_layer, v_layer, out, mid_o, mid_lse,
         layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
         tiles.req, tiles.q0, mask, plan.path(tree) if on_path else plan.q_lens,
@@ -310,6 +310,17 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
         **cfg.options())
     if splits > 1:
-        _merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
+        merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
                                  BLOCK_D=block_d, num_warps=cfg.num_warps, **cfg.options())
     return out
+
+
+class TritonAttentionOps:
+    """Mixin: the attention kernels as the ``_<op>`` of :class:`~ngram_hal.backend.Backend` (which
+    has validated the arguments), launched with the backend's ``launch``."""
+
+    def _attention_layout(self, *args):
+        return attention_layout(*args, self.launch)
+
+    def _attention(self, *args):
+        return attention(*args, self.launch)

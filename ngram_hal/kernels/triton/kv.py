@@ -41,7 +41,7 @@ def _warps(tile_bytes: int, cfg: LaunchConfig) -> int:
 
 
 @triton.jit
-def _store_kv_kernel(k_cache, v_cache, locs_ptr, k_ptr, v_ptr, N, num_slots, row_len,
+def store_kv_kernel(k_cache, v_cache, locs_ptr, k_ptr, v_ptr, N, num_slots, row_len,
                      ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -73,7 +73,7 @@ def store_kv(kv: KVCache, layer: int, locs: torch.Tensor, k: torch.Tensor, v: to
     block_c = min(triton.next_power_of_2(row_len), tile)
     rows = min(max(1, tile // block_c), triton.next_power_of_2(N))
     grid = (triton.cdiv(N, rows), triton.cdiv(row_len, block_c))
-    _store_kv_kernel[grid](kv.k[layer], kv.v[layer], locs, k, v, N, kv.num_slots, row_len,
+    store_kv_kernel[grid](kv.k[layer], kv.v[layer], locs, k, v, N, kv.num_slots, row_len,
                            ROWS=rows, BLOCK_C=block_c, num_warps=_warps(rows * block_c * elt, cfg), **cfg.options())
 
 
@@ -91,7 +91,7 @@ def _move_pairs(src_ptr, dst_ptr, i, N, num_slots):
 
 
 @triton.jit
-def _move_kv_kernel(k_cache, v_cache, src_ptr, dst_ptr, scratch_ptr, N, num_slots, row_len, layer_stride,
+def move_kv_kernel(k_cache, v_cache, src_ptr, dst_ptr, scratch_ptr, N, num_slots, row_len, layer_stride,
                     num_col_blocks, BLOCK_C: tl.constexpr, PAIR_TILE: tl.constexpr, USE_SCRATCH: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = pid // num_col_blocks
@@ -149,7 +149,7 @@ def move_kv(kv: KVCache, src: torch.Tensor, dst: torch.Tensor, cfg: LaunchConfig
     else:
         pair_tile = max(triton.next_power_of_2(N), min(16, cfg.move_pair_tile))
         scratch = kv.k  # not read: stands in for the scratch pointer the register path never uses
-    _move_kv_kernel[(programs,)](kv.k, kv.v, src, dst, scratch, N, kv.num_slots, row_len,
+    move_kv_kernel[(programs,)](kv.k, kv.v, src, dst, scratch, N, kv.num_slots, row_len,
                                  (kv.num_slots + 1) * row_len, num_col_blocks, BLOCK_C=block_c,
                                  PAIR_TILE=pair_tile, USE_SCRATCH=use_scratch,
                                  num_warps=_warps(pair_tile * block_c * elt, cfg), **cfg.options())
@@ -159,7 +159,7 @@ def move_kv(kv: KVCache, src: torch.Tensor, dst: torch.Tensor, cfg: LaunchConfig
 
 
 @triton.jit
-def _accepted_kv_moves_kernel(out_cache_loc, accept_ptr, table_ptr, rows_ptr, seq_ptr, src_ptr, dst_ptr,
+def accepted_kv_moves_kernel(out_cache_loc, accept_ptr, table_ptr, rows_ptr, seq_ptr, src_ptr, dst_ptr,
                               B, D, num_rows, row_len, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK_D)
@@ -202,7 +202,21 @@ def accepted_kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor, r
     R, M = req_to_token.shape
     block_d = triton.next_power_of_2(D)
     rows = min(max(1, cfg.index_block // block_d), triton.next_power_of_2(B))
-    _accepted_kv_moves_kernel[(triton.cdiv(B, rows),)](out_cache_loc, accept_index, req_to_token, req_pool_indices,
+    accepted_kv_moves_kernel[(triton.cdiv(B, rows),)](out_cache_loc, accept_index, req_to_token, req_pool_indices,
                                                        seq_lens, src, dst, B, D, R, M, ROWS=rows, BLOCK_D=block_d,
                                                        num_warps=cfg.num_warps, **cfg.options())
     return src, dst
+
+
+class TritonKvOps:
+    """Mixin: the KV-cache kernels as the ``_<op>`` of :class:`~ngram_hal.backend.Backend` (which
+    has validated the arguments), launched with the backend's ``launch``."""
+
+    def _store_kv(self, *args):
+        return store_kv(*args, self.launch)
+
+    def _move_kv(self, *args):
+        return move_kv(*args, self.launch)
+
+    def _accepted_kv_moves(self, *args):
+        return accepted_kv_moves(*args, self.launch)

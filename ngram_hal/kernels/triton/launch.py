@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass, fields
 
@@ -178,11 +177,6 @@ def num_programs_to_fill(device: torch.device) -> int:
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip() == "1"
-
-
-def triton_available() -> bool:
-    """True when the ``triton`` package can be imported here."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def pow2_block(n: int) -> int:

@@ -20,7 +20,7 @@ _ENTRIES_PER_THREAD = 8
 
 
 @triton.jit
-def _reconstruct_tree_kernel(mask_ptr, seq_lens_ptr, positions_ptr, index_ptr, next_token_ptr, next_sibling_ptr,
+def reconstruct_tree_kernel(mask_ptr, seq_lens_ptr, positions_ptr, index_ptr, next_token_ptr, next_sibling_ptr,
                              B, D, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     req = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     node = tl.arange(0, BLOCK_D)
@@ -75,7 +75,7 @@ def reconstruct_tree(tree_mask: torch.Tensor, seq_lens: torch.Tensor, cfg: Launc
     if B == 0:
         return positions, index, next_token, next_sibling
     launch = tree_launch(B, D, cfg)
-    _reconstruct_tree_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+    reconstruct_tree_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
         tree_mask.view(torch.uint8), seq_lens, positions, index, next_token, next_sibling, B, D, **launch, **cfg.options())
     return positions, index, next_token, next_sibling
 
@@ -87,3 +87,11 @@ def tree_launch(B: int, D: int, cfg: LaunchConfig) -> dict[str, int]:
     block_b = cfg.rows_per_program(B, block_d * block_d)
     return {"BLOCK_B": block_b, "BLOCK_D": block_d,
             "num_warps": cfg.warps(block_b * block_d * block_d // _ENTRIES_PER_THREAD)}
+
+
+class TritonTreeOps:
+    """Mixin: the draft-tree kernels as the ``_<op>`` of :class:`~ngram_hal.backend.Backend` (which
+    has validated the arguments), launched with the backend's ``launch``."""
+
+    def _reconstruct_tree(self, *args):
+        return reconstruct_tree(*args, self.launch)

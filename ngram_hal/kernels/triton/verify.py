@@ -105,7 +105,7 @@ def _store(predicts_ptr, accept_index_ptr, accept_len_ptr, req, tile, inside, fl
 
 
 @triton.jit
-def _verify_greedy_kernel(cand_ptr, index_ptr, next_token_ptr, next_sibling_ptr, target_ptr,
+def verify_greedy_kernel(cand_ptr, index_ptr, next_token_ptr, next_sibling_ptr, target_ptr,
                           predicts_ptr, accept_index_ptr, accept_len_ptr, B, D,
                           BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr):
     req, lanes, tile, inside, cand, flat, parent, earlier, order = _trees(
@@ -136,7 +136,7 @@ def _verify_greedy_kernel(cand_ptr, index_ptr, next_token_ptr, next_sibling_ptr,
 
 
 @triton.jit
-def _verify_sample_kernel(cand_ptr, index_ptr, next_token_ptr, next_sibling_ptr, probs_ptr, coins_ptr, final_ptr,
+def verify_sample_kernel(cand_ptr, index_ptr, next_token_ptr, next_sibling_ptr, probs_ptr, coins_ptr, final_ptr,
                           predicts_ptr, accept_index_ptr, accept_len_ptr, B, D, V,
                           BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr,
                           BLOCK_V: tl.constexpr, NUM_V_BLOCKS: tl.constexpr):
@@ -282,7 +282,7 @@ def verify_tree_greedy(candidates: torch.Tensor, retrieve_index: torch.Tensor, r
     if B * D == 0:
         return predicts, accept_index, accept_len
     launch = greedy_launch(B, D, cfg)
-    _verify_greedy_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+    verify_greedy_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
         candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict,
         predicts, accept_index, accept_len, B, D, **launch, **cfg.options())
     return predicts, accept_index, accept_len
@@ -314,7 +314,18 @@ def verify_tree_sample(candidates: torch.Tensor, retrieve_index: torch.Tensor, r
     if B * D == 0:
         return predicts, accept_index, accept_len
     launch = sample_launch(B, D, V, cfg)
-    _verify_sample_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+    verify_sample_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
         candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_probs,
         uniform_samples, uniform_final, predicts, accept_index, accept_len, B, D, V, **launch, **cfg.options())
     return predicts, accept_index, accept_len
+
+
+class TritonVerifyOps:
+    """Mixin: the verification kernels as the ``_<op>`` of :class:`~ngram_hal.backend.Backend` (which
+    has validated the arguments), launched with the backend's ``launch``."""
+
+    def _verify_tree_greedy(self, *args):
+        return verify_tree_greedy(*args, self.launch)
+
+    def _verify_tree_sample(self, *args):
+        return verify_tree_sample(*args, self.launch)

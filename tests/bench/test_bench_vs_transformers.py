@@ -1,0 +1,35 @@
+"""``bench/bench_vs_transformers.py``: the CPU targets it reports per group of prompts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def bench_vs(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("bench_vs_transformers", "common"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import bench_vs_transformers
+
+    return bench_vs_transformers
+
+
+def _sums(**rates):
+    return {name: {"tokens_per_s": rate} for name, rate in rates.items()}
+
+
+def test_targets_compare_our_default_with_their_prompt_lookup(bench_vs):
+    met = bench_vs.cpu_targets(_sums(ours_plain=20.0, ours_auto=30.0, hf_plain=10.0, hf_pld=14.0))
+    assert met["auto_speedup"] == pytest.approx(1.5) and met["hf_pld_speedup"] == pytest.approx(1.4)
+    assert met["speedup_met"] is True
+    assert met["auto_over_hf_pld_tok_s"] == pytest.approx(30 / 14) and met["tok_s_met"] is True
+    short = bench_vs.cpu_targets(_sums(ours_plain=20.0, ours_auto=21.0, hf_plain=10.0, hf_pld=15.0))
+    assert short["speedup_met"] is False and short["tok_s_met"] is False
+    missing = bench_vs.cpu_targets(_sums(ours_plain=20.0, ours_auto=21.0))
+    assert missing["speedup_met"] is None and missing["tok_s_met"] is None

@@ -1,0 +1,139 @@
+"""The engine on a GPU through the cuda backend: captured step graphs, bfloat16, the fused model
+kernels and the batch-invariant mode. Skipped where no CUDA device is present.
+
+* Replaying captured graphs (decode and verify steps, and padded one-request prefills) gives the
+  tokens of eager forwards (batch-invariant mode, where both read the keys in the same fixed
+  chunks).
+* Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
+  drafts (prompt lookup, on the host or the device) and branching trie trees: each tree node reads
+  its path at the positions plain decoding gives it once accepted.
+* Captured steps draft the device drafter's next chains in their graphs, as eager steps do after
+  the step.
+* After warm-up, a run with graphs makes no hidden host sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_hal.engine.config import LlamaConfig
+from ngram_hal.engine.engine import Engine, EngineConfig
+from ngram_hal.engine.graphs import batch_buckets
+from ngram_hal.engine.model import LlamaModel
+from ngram_hal.engine.request import SamplingParams
+
+CUDA = torch.cuda.is_available() and torch.version.cuda is not None
+CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=6,
+                     num_kv_heads=2, head_dim=64, tie_word_embeddings=False, eos_token_id=None,
+                     max_position_embeddings=512)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from ngram_hal_cuda import CudaBackend
+
+    return CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 512, (12,), generator=g).tolist()
+    return [base * 4, base[:5] * 6 + base, torch.randint(0, 512, (40,), generator=g).tolist(), base * 2]
+
+
+def _generate(engine, prompts, alone=False):
+    """Token ids of ``prompts`` run as one batch, or one after another (each prefilled alone)."""
+    params = SamplingParams(max_new_tokens=40)
+    outs = [engine.generate([p], params)[0] for p in prompts] if alone else engine.generate(prompts, params)
+    return [o.token_ids for o in outs]
+
+
+def _run(model, prompts, alone=False, **cfg):
+    engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8, **cfg))
+    return engine, _generate(engine, prompts, alone)
+
+
+@gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+def test_graphs_replay_the_eager_forward(backend, prompts, alone):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=3, batch_invariant=True)
+    for tree_size in (1, 4):
+        engine, with_graphs = _run(model, prompts, alone, tree_size=tree_size, graphs=True)
+        assert engine.graphs is not None and engine.graphs.captures > 0
+        # Prompts of 24-60 tokens prefilled alone replay the padded prefills of 32 and 64 tokens.
+        assert engine.graphs.prefill_sizes == ([32, 64] if alone else [])
+        _, eager = _run(model, prompts, alone, tree_size=tree_size, graphs=False)
+        assert with_graphs == eager
+
+
+@gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+def test_captured_steps_draft_what_eager_steps_draft(backend, prompts, alone):
+    """With the device drafter, a captured step drafts the next step's chains inside its graph; the
+    eager steps draft them after the step. In the batch-invariant mode both give the same tokens,
+    so the same drafts must be accepted at the same steps."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    runs = {}
+    for graphs in (True, False):
+        engine, ids = _run(model, prompts, alone, tree_size=8, drafter="device", graphs=graphs)
+        runs[graphs] = (ids, engine.stats.decode_steps, engine.stats.decode_tokens)
+    assert runs[True] == runs[False]
+    assert runs[True][2] > runs[True][1], "the prompts must accept drafts for this test to cover speculation"
+
+
+@gpu
+@pytest.mark.parametrize("drafter", ["linear", "trie", "device"])
+def test_invariant_greedy_speculation_equals_plain(backend, prompts, drafter):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    _, plain = _run(model, prompts, tree_size=1)
+    engine, spec = _run(model, prompts, tree_size=8, drafter=drafter)
+    assert engine.stats.tokens_per_step > 1.0, "the prompts must accept drafts for this test to cover speculation"
+    assert spec == plain
+
+
+@gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+@pytest.mark.parametrize("tree_size,drafter", [(1, "trie"), (8, "trie"), (8, "device")])
+def test_graph_steps_make_no_hidden_sync(backend, prompts, tree_size, drafter, alone):
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5)
+    engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8,
+                                              tree_size=tree_size, spec_policy="always", drafter=drafter))
+    _generate(engine, prompts, alone)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = _generate(engine, prompts, alone)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(ids) == 40 for ids in outs)
+    assert engine.stats.device_busy_s > 0
+    assert engine.sched.slots.available() == engine.sched.slots.num_slots
+
+
+@gpu
+def test_calibration_reads_a_context_and_gives_everything_back(backend, prompts):
+    """``auto`` replays every captured size at two contexts before the first request: the request
+    table and the KV cache are as a fresh engine has them, every size of every bucket has a cost,
+    and greedy output equals an engine that never calibrated."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=6, batch_invariant=True)
+    cfg = dict(num_slots=4096, max_context_len=512, max_running=8, tree_size=8, drafter="device")
+    engine = Engine(model, None, EngineConfig(spec_policy="auto", **cfg))
+    assert bool((engine.sched.req_to_token == -1).all())
+    assert not engine.kv.k.any() and not engine.kv.v.any()
+    table = engine.policy.costs.table(context=128)
+    assert sorted(map(int, table)) == engine.graphs.buckets
+    assert all(sorted(map(int, sizes)) == [1, 2, 4, 8] and min(sizes.values()) > 0 for sizes in table.values())
+    auto = _generate(engine, prompts)
+    _, always = _run(model, prompts, tree_size=8, drafter="device", spec_policy="always")
+    assert auto == always

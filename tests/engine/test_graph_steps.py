@@ -1,0 +1,187 @@
+"""The steps that graphs capture (``ngram_hal.engine.graphs``), run eagerly on the CPU.
+
+The greedy verify step (``GreedyStep``), padded to a larger batch, commits what the op-by-op step
+commits for the real requests; the one-request prefill (``PaddedPrefill``), padded to a longer
+prompt, gives the unpadded forward's logits and K/V. Both leave every other slot of the cache as
+it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket
+from ngram_hal.engine.model import ForwardBatch, LlamaModel
+from ngram_hal.reference import CpuBackend
+from ngram_hal.speculative.lookup import DeviceDrafter
+from ngram_hal.speculative.relay import OverlapRelay
+from ngram_hal.speculative.verify import commit, prepare_tree, tree_cache_locs, verify_greedy
+from tiny_model import TINY
+
+I64 = torch.int64
+PROMPTS = [[1, 5, 9, 14, 3, 22, 7], [1, 40, 41, 8, 8]]
+
+
+def _state(model: LlamaModel):
+    """A cache and a table holding both prompts' K/V (rows 1 and 3 of four), slots scattered; row 0,
+    which padding requests point at, holds slots too, so a padding write would show."""
+    kv = model.new_kv_cache(128)
+    table = torch.full((4, 64), -1, dtype=I64)
+    free = torch.randperm(128, generator=torch.Generator().manual_seed(0))
+    rows = [1, 3]
+    table[1, :32], table[3, :32], table[0, :32] = free[:32], free[32:64], free[64:96]
+    ids = [t for p in PROMPTS for t in p]
+    model.forward(ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.tensor([i for p in PROMPTS for i in range(len(p))]),
+        out_cache_loc=torch.cat([table[r, :len(p)] for r, p in zip(rows, PROMPTS)]), req_to_token=table,
+        req_pool_indices=torch.tensor(rows), kv_lens=torch.tensor([len(p) for p in PROMPTS]),
+        q_lens=torch.tensor([len(p) for p in PROMPTS])), kv)
+    return kv, table, torch.tensor(rows), torch.tensor([len(p) for p in PROMPTS])
+
+
+def _op_by_op(model, kv, table, rows, seq_lens, tokens, mask, n):
+    be = model.backend
+    tree = prepare_tree(be, tokens, mask, seq_lens)
+    locs = tree_cache_locs(be, table, rows, seq_lens, n)
+    logits = model.forward(ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs,
+                                        req_to_token=table, req_pool_indices=rows, kv_lens=seq_lens + n,
+                                        q_lens=torch.full((2,), n, dtype=I64), tree_mask=mask if n > 1 else None,
+                                        max_kv_len=table.shape[1]), kv)
+    return commit(be, kv, verify_greedy(be, tree, logits), locs, table, rows, seq_lens)
+
+
+@pytest.mark.parametrize("tree_size", [1, 4])
+@pytest.mark.parametrize("padded", [2, 5])
+def test_padded_greedy_step_commits_what_the_op_by_op_step_does(tree_size, padded):
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, rows, seq_lens = _state(model)
+    parents = [-1, 0, 0, 1][:tree_size]
+    mask = torch.zeros(tree_size, tree_size, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    mask = mask.expand(2, tree_size, tree_size).contiguous()
+    tokens = torch.tensor([[7, 12, 30, 2][:tree_size], [8, 8, 9, 8][:tree_size]], dtype=I64).view(-1)
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = _op_by_op(model, ref_kv, table, rows, seq_lens, tokens, mask, tree_size)
+
+    step = GreedyStep(model, kv, table, padded, tree_size)
+    step.run()  # what capture runs first: no request, so no write
+    step.load(tokens, mask if tree_size > 1 else None, rows, seq_lens)
+    step.run()
+    got = step.result(2)
+    for name in ("accept_tokens", "accept_lens", "new_seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    _assert_same_writes(kv, ref_kv, table, rows, seq_lens, tree_size)
+
+
+def _assert_same_writes(kv, ref_kv, table, rows, seq_lens, tree_size):
+    """The step wrote the real requests' node slots as the op-by-op step did, and nothing else.
+
+    Their K/V come from forwards of different row counts (the padded batch and the real one),
+    which the CPU attention does not promise to compute bit for bit alike: they agree within
+    float32's tolerance. Every other data row is untouched, bit for bit (row S is the scratch
+    row where writes aimed at -1 land)."""
+    written = torch.cat([table[r, s:s + tree_size] for r, s in zip(rows.tolist(), seq_lens.tolist())])
+    others = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    others[written] = False
+    others[-1] = False
+    for got_c, want_c in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
+        torch.testing.assert_close(got_c[:, written], want_c[:, written])
+        assert torch.equal(got_c[:, others], want_c[:, others]), "padding changed the cache"
+
+
+@pytest.mark.parametrize("tree_size", [1, 4])
+def test_greedy_step_with_a_drafter_records_and_drafts_the_next_chains(tree_size):
+    """With a device drafter the step's trees are chains (it commits what the op-by-op step with
+    chain masks commits), and the step ends by recording its committed tokens and drafting the
+    next chains, as a separate draft of its relay would; the padding request, which points at
+    row 0, records nothing there."""
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, rows, seq_lens = _state(model)
+    drafter, separate = (DeviceDrafter(CpuBackend(), *table.shape, tree_size=4) for _ in range(2))
+    for d in (drafter, separate):
+        d.table[0] = -5  # row 0, no request's: a padding write would show
+        d.add_prompts(rows, seq_lens, torch.tensor([t for p in PROMPTS for t in p]))
+    # The prefill's first tokens: 7 after the first prompt (which holds "7 ..." to copy), 8 after the second.
+    first = OverlapRelay(torch.tensor([7, 8]), torch.ones(2, dtype=I64), seq_lens, 1)
+    chains = separate.draft(rows, first, tree_size)
+    drafter.table.copy_(separate.table)
+    before = drafter.table.clone()
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = _op_by_op(model, ref_kv, table, rows, seq_lens, chains, separate.chain_masks(2, tree_size), tree_size)
+
+    step = GreedyStep(model, kv, table, 3, tree_size, drafter)
+    step.run()  # what capture runs first: no request, so no write
+    assert torch.equal(drafter.table, before)
+    step.load(chains.view(2, tree_size), None, rows, seq_lens)
+    step.run()
+    got = step.result(2)
+    for name in ("accept_tokens", "accept_lens", "new_seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    _assert_same_writes(kv, ref_kv, table, rows, seq_lens, tree_size)
+    assert torch.equal(drafter.chains_ahead(2, 4).reshape(-1), separate.draft(rows, got, 4))
+    assert torch.equal(drafter.table, separate.table) and torch.equal(drafter.table[0], before[0])
+
+
+def test_dummy_run_writes_nothing():
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    before = (kv.k.clone(), kv.v.clone(), table.clone())
+    GreedyStep(model, kv, table, 4, 4).run()
+    assert torch.equal(kv.k[:, :-1], before[0][:, :-1]) and torch.equal(kv.v[:, :-1], before[1][:, :-1])
+    assert torch.equal(table, before[2])
+
+
+def test_prefill_buckets():
+    assert [prefill_bucket(n) for n in (1, 16, 17, 444, 512, 513, 1500)] == [16, 16, 32, 512, 512, 1024, 1536]
+
+
+@pytest.mark.parametrize("table_tail", ["unassigned", "stale slots"])
+def test_padded_prefill_equals_the_unpadded_forward(table_tail):
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    prompt = torch.tensor([1, 9, 33, 4, 4, 17, 2, 60, 5], dtype=I64)
+    N, row = prompt.shape[0], 2
+    table[row, :N] = torch.arange(100, 100 + N)
+    if table_tail == "stale slots":
+        table[row, N:32] = torch.arange(96 - (32 - N), 96)
+    locs = table[row, :N].clone()
+
+    ref_kv = model.new_kv_cache(128)
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+    want = model.forward(ForwardBatch(input_ids=prompt, positions=torch.arange(N), out_cache_loc=locs,
+                                      req_to_token=table, req_pool_indices=torch.tensor([row]),
+                                      kv_lens=torch.tensor([N]), q_lens=torch.tensor([N]),
+                                      logits_index=torch.tensor([N - 1])), ref_kv)
+
+    step = PaddedPrefill(model, kv, table, 16)
+    step.run()  # what capture runs first: nothing loaded, so no write
+    step.load(prompt, locs, torch.tensor([row]))
+    got = step.run()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    others[locs] = False
+    others[-1] = False  # the scratch row where writes aimed at -1 land
+    for got_c, want_c in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
+        torch.testing.assert_close(got_c[:, locs], want_c[:, locs], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_c[:, others], want_c[:, others]), "the padded prefill wrote outside the prompt's slots"
+
+
+def test_padded_prefill_refuses_what_does_not_fit():
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, _, _ = _state(model)
+    with pytest.raises(ValueError, match="exceed the request table"):
+        PaddedPrefill(model, kv, table, 128)
+    step = PaddedPrefill(model, kv, table, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        step.load(torch.zeros(17, dtype=I64), torch.zeros(17, dtype=I64), torch.tensor([0]))

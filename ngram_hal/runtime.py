@@ -83,6 +83,12 @@ class Runtime:
         get = getattr(self._module, "get_device_name", None)
         return get(self.device) if callable(get) else self.device.type
 
+    def free_memory(self) -> int | None:
+        """Bytes of device memory free now, as the device's runtime reports them (``mem_get_info``);
+        None on the host or where the runtime does not say."""
+        get = None if self._host else getattr(self._module, "mem_get_info", None)
+        return int(get(self.device)[0]) if callable(get) else None
+
     def hardware(self) -> dict[str, str | int | None]:
         """What the device is, for reports: ``name`` (:attr:`device_name`), ``architecture``
         (``"sm_90"`` for CUDA, the ``gcnArchName`` for ROCm, the machine type on the CPU),

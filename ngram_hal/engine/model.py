@@ -80,10 +80,12 @@ def _required_weights(config: LlamaConfig) -> list[str]:
     return names
 
 
-def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded float32 CPU weights under Hugging Face names: projections normal with std 0.02,
-    norm weights normal around 1 with std 0.1."""
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(config: LlamaConfig, seed: int = 0, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded weights under Hugging Face names, made on ``device`` in ``dtype`` (the same seed gives
+    the same weights on one device; devices differ): projections normal with std 0.02, norm
+    weights normal around 1 with std 0.1."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     hd, inter = config.hidden_size, config.intermediate_size
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hd), "model.norm.weight": (hd,)}
@@ -100,8 +102,8 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor
         })
     weights = {}
     for name, shape in shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        weights[name] = 1.0 + 0.1 * noise if len(shape) == 1 else 0.02 * noise
+        noise = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        weights[name] = noise.mul_(0.1).add_(1.0) if len(shape) == 1 else noise.mul_(0.02)
     return weights
 
 

@@ -48,3 +48,8 @@ def test_hardware_names_the_host_processor():
     assert hw["name"] == (models[0] if models else platform.processor() or platform.machine())
     assert hw["architecture"] == platform.machine() and hw["runtime"] is None
     assert hw["memory_bytes"] > 2**30 and hw["multiprocessors"] == os.cpu_count()
+
+
+def test_free_memory_is_unknown_on_the_host():
+    """The host's free memory is no device figure: None, so memory checks are skipped there."""
+    assert Runtime("cpu").free_memory() is None

@@ -1,0 +1,244 @@
+"""The engine at real model shapes, with seeded random weights made on the device: no weights file.
+
+For each shape (``--shapes``: a preset of :data:`ngram_hal.engine.shapes.PRESETS` or a JSON file
+of LlamaConfig fields) and batch size, B prompts of ``--prompt-len`` random token ids decode
+``--new-tokens`` tokens greedily through the engine (graphs and overlap on, end of sequence
+ignored): plain steps, and verify steps of ``--tree-size`` D nodes drafted on the device
+(``spec_policy="always"``; random weights make the drafts' acceptance meaningless, the step's
+cost is what is measured). Decode time runs from the moment every request has its first token
+(the prefill's) to the last one finishing, so prefill is left out.
+
+Reported per row: decode tok/s, ms per step, and for plain steps the weight-streaming limit
+(``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
+same run) and the fraction of it reached; for verify steps the cost of a step against a plain
+step at the same batch. ``--transformers`` adds transformers' ``generate`` with a static cache on
+the same shape (its own random weights), batch 1. Targets from the real-shapes issue are checked
+and printed, never an exit code.
+
+    python bench/bench_shapes.py --device cuda --shapes llama-1b,llama-8b --transformers
+    python bench/bench_shapes.py --device cpu --shapes tiny.json --batch-sizes 1 --prompt-len 16 --new-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (copy_bandwidth, make_console, make_table, peak_memory, release_memory,  # noqa: E402
+                    report_header, reset_peak_memory, write_json, write_report)
+
+from ngram_hal.backend import OPS  # noqa: E402
+from ngram_hal.engine.config import EngineConfig  # noqa: E402
+from ngram_hal.engine.engine import Engine  # noqa: E402
+from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
+from ngram_hal.engine.request import SamplingParams  # noqa: E402
+from ngram_hal.engine.shapes import check_fits, load_shape, parameter_bytes, streamed_bytes  # noqa: E402
+from ngram_hal.registry import get_backend  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    """Seconds and verify steps from the moment every request has its first token (the prefill's)
+    to the last one finishing: the decoding of ``new_tokens - 1`` tokens each."""
+    engine.add_requests(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    started, start, steps = set(), None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            started.add(out.rid)
+        if start is None and len(started) == len(prompts):
+            start, steps = time.perf_counter(), engine.stats.decode_steps
+    engine.backend.synchronize()
+    return time.perf_counter() - start, engine.stats.decode_steps - steps
+
+
+def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> list[dict]:
+    """The plain and verify rows of one shape, every batch size."""
+    rows = []
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
+    streamed = streamed_bytes(model.config, model.dtype)
+    for batch in args.batch_sizes:
+        prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
+        plain_ms = None
+        for tree_size in (1, args.tree_size):
+            config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always", num_slots=batch * context,
+                                  max_running=batch, max_context_len=context, max_prefill_tokens=batch * args.prompt_len)
+            engine = Engine(model, config=config, eos_token_ids=[])
+            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            seconds, steps = decode_time(engine, prompts, args.new_tokens)
+            tokens = batch * (args.new_tokens - 1)
+            ms = 1e3 * seconds / max(steps, 1)
+            row = {"shape": name, "batch": batch, "tree_size": tree_size, "decode_tokens_per_s": tokens / seconds,
+                   "ms_per_step": ms, "steps": steps}
+            if tree_size == 1:
+                plain_ms = ms
+                if bandwidth:
+                    row["limit_tokens_per_s"] = batch * bandwidth / streamed
+                    row["fraction_of_limit"] = row["decode_tokens_per_s"] / row["limit_tokens_per_s"]
+            else:
+                row["step_vs_plain"] = ms / plain_ms
+            rows.append(row)
+            del engine
+            release_memory(model.device)
+    return rows
+
+
+def transformers_row(name: str, config, device: torch.device, dtype: torch.dtype, args) -> dict:
+    """transformers' greedy ``generate`` with a static cache on the same shape, batch 1: a run of
+    N new tokens minus a run of 1 (its prefill). Eager: a static cache would otherwise make
+    transformers compile the forward first, which takes minutes per shape."""
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(hf_config).to(dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
+    ids = ids.to(device)
+    sync = torch.get_device_module(device.type).synchronize if device.type != "cpu" else (lambda: None)
+
+    def run(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                       disable_compile=True, pad_token_id=0)
+        sync()
+        return time.perf_counter() - start
+
+    run(2)
+    seconds = run(args.new_tokens) - run(1)
+    return {"shape": name, "batch": 1, "transformers_tokens_per_s": (args.new_tokens - 1) / seconds,
+            "transformers_version": transformers.__version__}
+
+
+TARGETS = (("llama-8b", "plain decode, batch 1, share of the weight-streaming limit", 0.90),
+           ("llama-1b", "plain decode, batch 1, share of the weight-streaming limit", 0.80))
+
+
+def targets(rows: list[dict], tree_size: int) -> list[dict]:
+    """The issue's targets, measured where this run has the row."""
+    found = []
+    for shape, what, goal in TARGETS:
+        row = next((r for r in rows if r["shape"] == shape and r["batch"] == 1 and r["tree_size"] == 1), None)
+        got = row.get("fraction_of_limit") if row else None
+        found.append({"target": f"{shape}: {what}", "goal": f">= {goal:.0%}", "measured": got,
+                      "met": None if got is None else got >= goal})
+    for shape in ("llama-1b", "llama-8b"):
+        for batch, goal in ((1, 1.10), (16, 1.30)):
+            row = next((r for r in rows if r["shape"] == shape and r["batch"] == batch and r["tree_size"] == tree_size),
+                       None)
+            got = row["step_vs_plain"] if row else None
+            found.append({"target": f"{shape}: a D={tree_size} verify step / a plain step, batch {batch}",
+                          "goal": f"<= {goal:.2f}x", "measured": got, "met": None if got is None else got <= goal})
+    return found
+
+
+def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: list[dict], console) -> None:
+    table = make_table("shapes", ("shape", "layers", "hidden", "vocab", "weights GB", "streamed GB/token", "peak GB"),
+                       left=("shape",))
+    for s in shapes:
+        peak = s.get("peak_device_memory_bytes")
+        table.add_row(s["shape"], str(s["config"]["num_layers"]), str(s["config"]["hidden_size"]),
+                      str(s["config"]["vocab_size"]), f"{s['parameter_bytes'] / 1e9:.2f}",
+                      f"{s['streamed_bytes'] / 1e9:.2f}", "-" if peak is None else f"{peak / 1e9:.2f}")
+    console.print(table)
+    table = make_table("decode (prefill excluded)", ("shape", "B", "D", "tok/s", "ms/step", "limit tok/s",
+                                                     "of limit", "step / plain", "transformers tok/s"),
+                       left=("shape",))
+    for r in rows:
+        other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
+                     None)
+        table.add_row(r["shape"], str(r["batch"]), str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
+                      f"{r['ms_per_step']:.3f}",
+                      f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
+                      f"{r['fraction_of_limit']:.0%}" if "fraction_of_limit" in r else "-",
+                      f"{r['step_vs_plain']:.2f}x" if "step_vs_plain" in r else "-",
+                      f"{other['transformers_tokens_per_s']:,.0f}" if other else "-")
+    console.print(table)
+    table = make_table("targets (measured; not an exit code)", ("target", "goal", "measured", "met"), left=("target",))
+    for t in found:
+        got = t["measured"]
+        table.add_row(t["target"], t["goal"], "not measured" if got is None else f"{got:.2f}",
+                      "-" if t["met"] is None else ("yes" if t["met"] else "no"))
+    console.print(table)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama-1b,llama-8b", help="presets or JSON files, comma separated")
+    parser.add_argument("--backend", default="auto", help="registered backend (default: auto)")
+    parser.add_argument("--device", default=None, help="torch device (default: the backend's)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="weights and KV cache (default: bfloat16 on an accelerator, float32 on the CPU)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 16], metavar="B,...")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
+    parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (the first token comes from the prefill)")
+    try:
+        shapes = [load_shape(spec) for spec in args.shapes.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    backend = get_backend(args.backend, device=args.device, require=OPS)
+    device = backend.device
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if backend.runtime.is_host else torch.bfloat16)
+    bandwidth = None if backend.runtime.is_host else copy_bandwidth(device, args.copy_bytes)
+    release_memory(device)
+    context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
+    described, rows, hf = [], [], []
+    console = make_console()
+    for name, config in shapes:
+        check_fits(name, config, dtype, max(args.batch_sizes) * context, backend.runtime.free_memory())
+        reset_peak_memory(device)
+        start = time.perf_counter()
+        model = LlamaModel(config, random_weights(config, args.seed, device, dtype), backend, dtype)
+        made_s = time.perf_counter() - start
+        rows += engine_rows(name, model, args, bandwidth)
+        console.print(f"{name}: {len(args.batch_sizes) * 2} engine rows in {time.perf_counter() - start:.0f} s")
+        described.append({"shape": name, "config": config.model_dump(), "parameter_bytes": parameter_bytes(config, dtype),
+                          "streamed_bytes": streamed_bytes(config, dtype), "weights_made_s": made_s,
+                          "peak_device_memory_bytes": peak_memory(device)})
+        del model
+        release_memory(device)
+        if args.transformers:
+            hf.append(transformers_row(name, config, device, dtype, args))
+            release_memory(device)
+        # The report so far, so that a run stopped part way keeps the shapes it finished.
+        write_json(args.json, report(backend, args, dtype, bandwidth, described, rows, hf))
+    print_tables(described, rows, hf, targets(rows, args.tree_size), console)
+    write_report(args.json, report(backend, args, dtype, bandwidth, described, rows, hf), console)
+
+
+def report(backend, args, dtype: torch.dtype, bandwidth: float | None, described: list[dict], rows: list[dict],
+           hf: list[dict]) -> dict:
+    """The JSON report of the shapes measured so far."""
+    return {**report_header("ngram-hal-bench-shapes/1", backend),
+            "options": {k: v for k, v in vars(args).items() if k != "json"},
+            "dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_bytes_per_s": bandwidth,
+            "shapes": described, "runs": rows, "transformers": hf, "targets": targets(rows, args.tree_size)}
+
+
+if __name__ == "__main__":
+    main()

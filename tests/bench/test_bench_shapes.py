@@ -1,0 +1,43 @@
+"""``bench/bench_shapes.py`` on the CPU with a tiny shape from a JSON file: every row and target reported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, "bench_shapes", raising=False)
+    import bench_shapes
+
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 256}))
+    out = tmp_path / "shapes.json"
+    bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--batch-sizes", "1,2", "--prompt-len", "8",
+                       "--new-tokens", "5", "--tree-size", "4", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [s["shape"] for s in report["shapes"]] == ["tiny"] and report["dtype"] == "float32"
+    assert [(r["batch"], r["tree_size"]) for r in report["runs"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    for row in report["runs"]:
+        assert row["decode_tokens_per_s"] > 0 and row["steps"] >= 1
+        assert ("step_vs_plain" in row) == (row["tree_size"] == 4)
+    assert report["copy_bandwidth_bytes_per_s"] is None, "no weight-streaming limit on the host"
+    assert {t["target"].split(":")[0] for t in report["targets"]} == {"llama-1b", "llama-8b"}
+    assert all(t["measured"] is None for t in report["targets"])
+
+
+def test_an_unknown_shape_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_shapes
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_shapes.main(["--backend", "cpu", "--shapes", "llama-9b"])
+    assert exit_.value.code == 2
+    assert "shape 'llama-9b': neither a preset" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""Model shapes: the presets' byte counts, JSON shapes, the memory check, random weights by device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ngram_hal.engine.model import LlamaModel, random_weights
+from ngram_hal.engine.shapes import PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes
+from ngram_hal.reference import CpuBackend
+
+
+def test_the_presets_stream_the_weights_of_their_models():
+    """bf16 bytes a decode step reads: 2.47 GB for Llama-3.2-1B, 15.0 GB for Llama-3.1-8B."""
+    assert streamed_bytes(PRESETS["llama-1b"], torch.bfloat16) == pytest.approx(2.47e9, rel=0.005)
+    assert streamed_bytes(PRESETS["llama-8b"], torch.bfloat16) == pytest.approx(15.0e9, rel=0.005)
+    # A tied head is streamed but held once; an untied one adds its own matrix.
+    one = PRESETS["llama-1b"]
+    assert parameter_bytes(one, torch.bfloat16) == streamed_bytes(one, torch.bfloat16)
+    eight = PRESETS["llama-8b"]
+    embed = eight.vocab_size * eight.hidden_size * 2
+    assert parameter_bytes(eight, torch.bfloat16) == streamed_bytes(eight, torch.bfloat16) + embed
+
+
+def test_parameter_bytes_counts_every_weight_of_a_model():
+    tiny = PRESETS["smollm2-135m"].model_copy(update={"num_layers": 2, "vocab_size": 64})
+    weights = random_weights(tiny)
+    assert parameter_bytes(tiny, torch.float32) == sum(t.numel() for t in weights.values()) * 4
+
+
+def test_a_shape_is_a_preset_or_a_json_file(tmp_path):
+    assert load_shape("llama-8b") == ("llama-8b", PRESETS["llama-8b"])
+    path = tmp_path / "narrow.json"
+    path.write_text(json.dumps({"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_layers": 1,
+                                "num_heads": 2, "num_kv_heads": 1, "head_dim": 8}))
+    name, config = load_shape(str(path))
+    assert name == "narrow" and config.hidden_size == 16
+    with pytest.raises(ValueError, match="'llama-9b': neither a preset"):
+        load_shape("llama-9b")
+    path.write_text(json.dumps({"vocab_size": 32}))
+    with pytest.raises(ValueError, match="narrow.json': not a LlamaConfig"):
+        load_shape(str(path))
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_made():
+    config = PRESETS["llama-8b"]
+    need = parameter_bytes(config, torch.bfloat16) + kv_bytes(config, torch.bfloat16, 4096)
+    check_fits("llama-8b", config, torch.bfloat16, 4096, need)
+    check_fits("llama-8b", config, torch.bfloat16, 4096, None)
+    with pytest.raises(MemoryError, match=r"shape llama-8b: 16.06 GB of bfloat16 weights and 0.54 GB of KV cache "
+                                          r"\(4096 slots\) need more than the 16.00 GB free"):
+        check_fits("llama-8b", config, torch.bfloat16, 4096, 16_000_000_000)
+
+
+def test_random_weights_are_made_in_the_dtype_asked_for_and_seeded():
+    tiny = PRESETS["smollm2-135m"].model_copy(update={"num_layers": 1, "vocab_size": 64})
+    a, b = random_weights(tiny, seed=4, dtype=torch.bfloat16), random_weights(tiny, seed=4, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, b[n]) for n, t in a.items())
+    model = LlamaModel(tiny, a, CpuBackend(), torch.bfloat16)
+    assert model.dtype == torch.bfloat16

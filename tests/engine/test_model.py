@@ -20,6 +20,7 @@ from ngram_hal.engine import gguf_loader
 from ngram_hal.engine.gguf_loader import MODEL_ENV, find_model_file, load_gguf, unpermute_rotary
 from ngram_hal.engine.model import ForwardBatch, LlamaModel, random_weights
 from ngram_hal.engine.tokenizer import Tokenizer
+from ngram_hal.model_kernels import rope_frequencies, rotary
 from ngram_hal.reference import CpuBackend
 
 from tiny_model import SLOTS, TINY, Session, index_tensor
@@ -72,12 +73,15 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def _write_gguf(path, config: LlamaConfig, weights: dict[str, torch.Tensor], arch: str = "llama",
-                extra: dict[str, np.ndarray] | None = None) -> None:
-    """A float32 GGUF in llama.cpp's layout (q/k rows permuted for its rotary)."""
+                extra: dict[str, np.ndarray] | None = None, metadata=None,
+                quantization: gguf.GGMLQuantizationType | None = None) -> None:
+    """A GGUF in llama.cpp's layout (q/k rows permuted for its rotary): float32, or its projections
+    quantized as ``quantization``; ``metadata(writer)`` adds keys."""
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
     layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -95,6 +99,8 @@ def _write_gguf(path, config: LlamaConfig, weights: dict[str, torch.Tensor], arc
     w.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
+    if metadata is not None:
+        metadata(w)
     for name, tensor in weights.items():
         array = tensor.numpy()
         if name.startswith("model.layers."):
@@ -107,7 +113,11 @@ def _write_gguf(path, config: LlamaConfig, weights: dict[str, torch.Tensor], arc
             gguf_name = f"blk.{i}.{layer_names[key]}.weight"
         else:
             gguf_name = names[name]
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        if quantization is not None and array.ndim == 2:
+            w.add_tensor(gguf_name, gguf.quants.quantize(array, quantization), raw_dtype=quantization)
+        else:
+            w.add_tensor(gguf_name, array)
     for name, array in (extra or {}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()
@@ -143,9 +153,75 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unknown_tensor_rejected(tmp_path):
     path = tmp_path / "extra.gguf"
-    _write_gguf(path, TINY, random_weights(TINY), extra={"rope_freqs.weight": np.ones(4, np.float32)})
-    with pytest.raises(ValueError, match="rope_freqs.weight"):
+    _write_gguf(path, TINY, random_weights(TINY), extra={"blk.0.attn_q.bias": np.ones(32, np.float32)})
+    with pytest.raises(ValueError, match="blk.0.attn_q.bias"):
         load_gguf(path)
+
+
+# Four query heads per KV head, an untied head, widths that Q8_0's 32-wide blocks divide.
+GQA4 = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+                   head_dim=8, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def test_a_quantized_file_with_grouped_heads_and_an_untied_head_loads(tmp_path):
+    weights = random_weights(GQA4, seed=6)
+    path = tmp_path / "q8.gguf"
+    _write_gguf(path, GQA4, weights, quantization=gguf.GGMLQuantizationType.Q8_0)
+    config, loaded, _ = load_gguf(path)
+    assert config.num_kv_heads == 2 and not config.tie_word_embeddings and "lm_head.weight" in loaded
+    assert config.model_copy(update={"rms_norm_eps": GQA4.rms_norm_eps}) == GQA4
+    for name, want in weights.items():
+        # Q8_0: a scale per 32 values, 8-bit steps of max|w| / 127 within each block.
+        atol = 0.0 if want.ndim == 1 else float(want.abs().max()) / 127
+        torch.testing.assert_close(loaded[name], want, atol=atol, rtol=0, msg=name)
+    ids = [5, 17, 3, 40]
+    got = Session(LlamaModel.from_gguf(CpuBackend(), path)).extend([(0, ids)])
+    _close(got, Session(LlamaModel(GQA4, weights, CpuBackend())).extend([(0, ids)]), "Q8_0", atol=0.05)
+
+
+def test_rotary_scaling_is_read_as_the_file_states_it(tmp_path):
+    weights = random_weights(TINY, seed=2)
+    half = TINY.head_dim // 2
+    factors = np.array([1.0, 2.0, 4.0, 8.0][:half], np.float32)
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(path, TINY, weights, extra={"rope_freqs.weight": factors})
+    config, loaded, _ = load_gguf(path)
+    assert config.rope_freq_factors == tuple(factors.tolist()) and "rope_freqs.weight" not in loaded
+
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    _write_gguf(path, TINY, weights, metadata=linear)
+    config, _, _ = load_gguf(path)
+    assert config.rope_freq_factors == (4.0,) * half
+    # Linear scaling by 4 is rotary at a quarter of the position: exact, the factor being a power of two.
+    positions = torch.tensor([0, 4, 40, 200])
+    scaled = rotary(positions, rope_frequencies(config, "cpu"), torch.float32)
+    plain = rotary(positions // 4, rope_frequencies(TINY, "cpu"), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, plain))
+
+    def yarn(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+
+    _write_gguf(path, TINY, weights, metadata=yarn)
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        load_gguf(path)
+    _write_gguf(path, TINY, weights, extra={"rope_freqs.weight": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match="rope_freqs.weight holds 3 factors, expected 4"):
+        load_gguf(path)
+
+
+def test_a_scaled_model_runs_its_own_rotary_frequencies(tmp_path):
+    """Factors of one change nothing; other factors change the logits past position 0."""
+    weights = random_weights(TINY, seed=8)
+    ids = [5, 17, 3, 88, 40]
+    plain = Session(LlamaModel(TINY, weights, CpuBackend())).extend([(0, ids)])
+    ones = TINY.model_copy(update={"rope_freq_factors": (1.0,) * (TINY.head_dim // 2)})
+    assert torch.equal(Session(LlamaModel(ones, weights, CpuBackend())).extend([(0, ids)]), plain)
+    scaled = TINY.model_copy(update={"rope_freq_factors": (1.0, 2.0, 4.0, 8.0)})
+    got = Session(LlamaModel(scaled, weights, CpuBackend())).extend([(0, ids)])
+    assert torch.equal(got[0], plain[0]) and not torch.allclose(got[1:], plain[1:])
 
 
 def test_model_file_lookup(tmp_path, monkeypatch):

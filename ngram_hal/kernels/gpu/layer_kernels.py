@@ -40,8 +40,7 @@ class TritonLayerKernels(TorchLayerKernels):
         super().__init__(config, backend, dtype)
         self._norm, self._rotary, self._swiglu = norm.rms_norm, rotary.rotary_store, swiglu.swiglu
         self._matmul = matmul
-        self.table = rotary.rope_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                       backend.device)
+        self.table = rotary.rope_table(self.inv_freq, config.max_position_embeddings)
         self.batch_invariant = batch_invariant
         self.fused_rows = backend.launch.fused_linear_rows
         self.fused_bytes = backend.launch.fused_linear_max_bytes

@@ -43,11 +43,12 @@ def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_
         tl.store(v_ptr + (loc * H + vh)[:, None] * HEAD_DIM + d[None, :], v, mask=v_ok[:, None])
 
 
-def rope_table(head_dim: int, theta: float, max_positions: int, device) -> torch.Tensor:
+def rope_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     """float32[max_positions, head_dim]: ``cos(p * f)`` in the first half, ``sin(p * f)`` in the
-    second, for the frequencies ``f_j = theta ** (-2j / head_dim)``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    freqs = torch.arange(max_positions, dtype=torch.int64, device=device).float().unsqueeze(1) * inv_freq
+    second, for the frequencies ``inv_freq`` (float32[head_dim / 2], on the device;
+    :func:`ngram_hal.model_kernels.rope_frequencies`)."""
+    positions = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device)
+    freqs = positions.float().unsqueeze(1) * inv_freq
     return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
 
 

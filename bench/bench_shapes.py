@@ -34,19 +34,14 @@ from common import (copy_bandwidth, make_console, make_table, peak_memory, relea
                     report_header, reset_peak_memory, write_json, write_report)
 
 from ngram_hal.backend import OPS  # noqa: E402
+from ngram_hal.cli.run import DTYPES, int_list  # noqa: E402
 from ngram_hal.engine.config import EngineConfig  # noqa: E402
 from ngram_hal.engine.engine import Engine  # noqa: E402
 from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.shapes import check_fits, load_shape, parameter_bytes, streamed_bytes  # noqa: E402
+from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
 
 def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     """Seconds and verify steps from the moment every request has its first token (the prefill's)
@@ -184,8 +179,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="llama-1b,llama-8b", help="presets or JSON files, comma separated")
     parser.add_argument("--backend", default="auto", help="registered backend (default: auto)")
     parser.add_argument("--device", default=None, help="torch device (default: the backend's)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                        help="weights and KV cache (default: bfloat16 on an accelerator, float32 on the CPU)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                        help="weights and KV cache (default auto: bfloat16 on an accelerator, float32 on the CPU)")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 16], metavar="B,...")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -203,7 +198,7 @@ def main(argv=None) -> None:
         parser.error(str(exc))
     backend = get_backend(args.backend, device=args.device, require=OPS)
     device = backend.device
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if backend.runtime.is_host else torch.bfloat16)
+    dtype = DTYPES[args.dtype] or default_dtype(device)
     bandwidth = None if backend.runtime.is_host else copy_bandwidth(device, args.copy_bytes)
     release_memory(device)
     context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8

@@ -11,7 +11,9 @@ cost is what is measured). Decode time runs from the moment every request has it
 Reported per row: decode tok/s, ms per step, and for plain steps the weight-streaming limit
 (``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
 same run) and the fraction of it reached; for verify steps the cost of a step against a plain
-step at the same batch. ``--transformers`` adds transformers' ``generate`` with a static cache on
+step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
+as the backend's sweep table chose them (``bench/bench_products.py``) and by the fixed rule, side by
+side. ``--transformers`` adds transformers' ``generate`` with a static cache on
 the same shape (its own random weights), batch 1. Targets from the real-shapes issue are checked
 and printed, never an exit code.
 
@@ -22,6 +24,7 @@ and printed, never an exit code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -40,8 +43,17 @@ from ngram_hal.engine.engine import Engine  # noqa: E402
 from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.shapes import check_fits, load_shape, parameter_bytes, streamed_bytes  # noqa: E402
+from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
+
+def product_modes(text: str) -> list[str]:
+    """``table``, ``fixed`` or both, comma separated (argparse type)."""
+    modes = text.split(",")
+    if not modes or any(m not in ("table", "fixed") for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected table, fixed or table,fixed; got {text!r}")
+    return modes
+
 
 def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     """Seconds and verify steps from the moment every request has its first token (the prefill's)
@@ -64,29 +76,40 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
     vocab = model.config.vocab_size
     context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
     streamed = streamed_bytes(model.config, model.dtype)
+    triton = isinstance(model.kernels, TritonLayerKernels)
+    if not triton and args.products != ["table"]:
+        raise SystemExit(f"--products {','.join(args.products)}: the {model.backend.name} backend's model kernels "
+                         "have no product table")
+    table = model.kernels.launch if triton else None
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        plain_ms = None
-        for tree_size in (1, args.tree_size):
-            config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always", num_slots=batch * context,
-                                  max_running=batch, max_context_len=context, max_prefill_tokens=batch * args.prompt_len)
-            engine = Engine(model, config=config, eos_token_ids=[])
-            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
-            seconds, steps = decode_time(engine, prompts, args.new_tokens)
-            tokens = batch * (args.new_tokens - 1)
-            ms = 1e3 * seconds / max(steps, 1)
-            row = {"shape": name, "batch": batch, "tree_size": tree_size, "decode_tokens_per_s": tokens / seconds,
-                   "ms_per_step": ms, "steps": steps}
-            if tree_size == 1:
-                plain_ms = ms
-                if bandwidth:
-                    row["limit_tokens_per_s"] = batch * bandwidth / streamed
-                    row["fraction_of_limit"] = row["decode_tokens_per_s"] / row["limit_tokens_per_s"]
-            else:
-                row["step_vs_plain"] = ms / plain_ms
-            rows.append(row)
-            del engine
-            release_memory(model.device)
+        for products in args.products:
+            if triton:
+                model.kernels.launch = table if products == "table" else dataclasses.replace(table, products=None)
+            plain_ms = None
+            for tree_size in (1, args.tree_size):
+                config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always",
+                                      num_slots=batch * context, max_running=batch, max_context_len=context,
+                                      max_prefill_tokens=batch * args.prompt_len)
+                engine = Engine(model, config=config, eos_token_ids=[])
+                engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+                seconds, steps = decode_time(engine, prompts, args.new_tokens)
+                tokens = batch * (args.new_tokens - 1)
+                ms = 1e3 * seconds / max(steps, 1)
+                row = {"shape": name, "batch": batch, "tree_size": tree_size, "products": products,
+                       "decode_tokens_per_s": tokens / seconds, "ms_per_step": ms, "steps": steps}
+                if tree_size == 1:
+                    plain_ms = ms
+                    if bandwidth:
+                        row["limit_tokens_per_s"] = batch * bandwidth / streamed
+                        row["fraction_of_limit"] = row["decode_tokens_per_s"] / row["limit_tokens_per_s"]
+                else:
+                    row["step_vs_plain"] = ms / plain_ms
+                rows.append(row)
+                del engine
+                release_memory(model.device)
+    if triton:
+        model.kernels.launch = table
     return rows
 
 
@@ -127,7 +150,8 @@ TARGETS = (("llama-8b", "plain decode, batch 1, share of the weight-streaming li
 
 
 def targets(rows: list[dict], tree_size: int) -> list[dict]:
-    """The issue's targets, measured where this run has the row."""
+    """The issue's targets, measured where this run has the row (the first ``--products`` mode's)."""
+    rows = [r for r in rows if r["products"] == rows[0]["products"]] if rows else rows
     found = []
     for shape, what, goal in TARGETS:
         row = next((r for r in rows if r["shape"] == shape and r["batch"] == 1 and r["tree_size"] == 1), None)
@@ -153,13 +177,13 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
                       str(s["config"]["vocab_size"]), f"{s['parameter_bytes'] / 1e9:.2f}",
                       f"{s['streamed_bytes'] / 1e9:.2f}", "-" if peak is None else f"{peak / 1e9:.2f}")
     console.print(table)
-    table = make_table("decode (prefill excluded)", ("shape", "B", "D", "tok/s", "ms/step", "limit tok/s",
+    table = make_table("decode (prefill excluded)", ("shape", "B", "products", "D", "tok/s", "ms/step", "limit tok/s",
                                                      "of limit", "step / plain", "transformers tok/s"),
                        left=("shape",))
     for r in rows:
         other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
                      None)
-        table.add_row(r["shape"], str(r["batch"]), str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
+        table.add_row(r["shape"], str(r["batch"]), r["products"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
                       f"{r['ms_per_step']:.3f}",
                       f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
                       f"{r['fraction_of_limit']:.0%}" if "fraction_of_limit" in r else "-",
@@ -187,6 +211,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
+    parser.add_argument("--products", type=product_modes, default=["table"], metavar="table,fixed",
+                        help="the projections' products: the backend's sweep table (default), the fixed rule, or both "
+                             "side by side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
     args = parser.parse_args(argv)

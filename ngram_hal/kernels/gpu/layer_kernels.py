@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
+from ..triton.products import Tiling, choose
 from . import matmul, norm, rotary, swiglu
 
 if TYPE_CHECKING:
@@ -15,12 +16,20 @@ if TYPE_CHECKING:
     from ...engine.config import LlamaConfig
 
 
-class InvariantLinear(DenseLinear):
-    """``x @ weight.T`` by :func:`ngram_hal.kernels.gpu.matmul.invariant_linear`: one fixed tiling
-    for any number of rows, so each row's result is independent of its batch."""
+class TritonLinear(DenseLinear):
+    """``x @ weight.T`` (the LM head) in the product the kernels choose for its rows: the fused
+    product in a tiling, or ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, kernels: TritonLayerKernels):
+        super().__init__(weight)
+        self.kernels = kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul.invariant_linear(x.contiguous(), self.weight)
+        """x: float[M, K] -> float[M, N]."""
+        tiling = self.kernels.tiling(x.shape[0], self)
+        if tiling is None:
+            return super().__call__(x)
+        return matmul.fused_linear(x.contiguous(), self.weight, tiling=tiling)
 
 
 class TritonLayerKernels(TorchLayerKernels):
@@ -42,16 +51,21 @@ class TritonLayerKernels(TorchLayerKernels):
         self._matmul = matmul
         self.table = rotary.rope_table(self.inv_freq, config.max_position_embeddings)
         self.batch_invariant = batch_invariant
-        self.fused_rows = backend.launch.fused_linear_rows
-        self.fused_bytes = backend.launch.fused_linear_max_bytes
+        self.launch = backend.launch
         self._ones = torch.ones(config.hidden_size, dtype=dtype, device=backend.device)
 
-    def _tiling(self, rows: int, linear: Linear):
-        """The fused product's tiling for ``rows`` rows, or None to run the steps apart."""
-        if self.batch_invariant:
-            return self._matmul.INVARIANT
+    def tiling(self, rows: int, linear: Linear) -> Tiling | None:
+        """The fused product's tiling for a forward of ``rows`` rows through ``linear``, or None to
+        run the steps apart."""
         weight = linear.weight
-        if rows > self.fused_rows or weight.numel() * weight.element_size() > self.fused_bytes:
+        table = self.launch.products
+        choice = None if table is None else table.lookup(*weight.shape)
+        if self.batch_invariant:
+            return self._matmul.INVARIANT if choice is None else choice.invariant
+        if choice is not None:
+            return choose(choice, rows)
+        nbytes = weight.numel() * weight.element_size()
+        if rows > self.launch.fused_linear_rows or nbytes > self.launch.fused_linear_max_bytes:
             return None
         return self._matmul.SMALL_ROWS
 
@@ -70,27 +84,27 @@ class TritonLayerKernels(TorchLayerKernels):
         return self._swiglu(gate_up)
 
     def linear(self, weight):
-        return InvariantLinear(weight) if self.batch_invariant else DenseLinear(weight)
+        return TritonLinear(weight, self)
 
     def fold_norm(self, norm, weight):
         """The norm's weight folded into the projection's (``W * g``): the norm then only scales rows."""
         return None, self._matmul.fold_norm(weight, norm)
 
     def norm_linear(self, x, norm, linear, delta=None):
-        tiling = self._tiling(x.shape[0], linear) if delta is None else None
+        tiling = self.tiling(x.shape[0], linear) if delta is None else None
         if tiling is None:
             return super().norm_linear(x, norm, linear, delta)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, tiling=tiling)
 
     def norm_swiglu(self, x, norm, linear, delta=None):
-        tiling = self._tiling(x.shape[0], linear) if delta is None else None
+        tiling = self.tiling(x.shape[0], linear) if delta is None else None
         if tiling is None:
             return super().norm_swiglu(x, norm, linear, delta)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, glu=True,
                                          tiling=tiling)
 
     def linear_add(self, y, linear, x):
-        tiling = self._tiling(y.shape[0], linear)
+        tiling = self.tiling(y.shape[0], linear)
         if tiling is None:
             return super().linear_add(y, linear, x)
         self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling)

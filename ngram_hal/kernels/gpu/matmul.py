@@ -18,21 +18,12 @@ operands are widened to float32 first.)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ..triton.launch import interpreting
-
-
-class Tiling(NamedTuple):
-    """Rows, output columns and reduction steps of one program of the product."""
-
-    block_m: int
-    block_n: int
-    block_k: int
+from ..triton.products import Tiling
 
 
 # 32 output columns and 256 reduction steps a program: the fastest of the tilings that
@@ -123,8 +114,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
         norm_eps: the RMSNorm's epsilon, or None for no norm.
         residual: float[M, N] of x's dtype, contiguous, updated in place to ``residual + y``
             (rounded to its dtype after a float32 add) and returned.
-        tiling: the program tile (:data:`SMALL_ROWS` or :data:`INVARIANT`, the same tiling); one
-            tiling for every row count keeps rows batch-invariant.
+        tiling: the program tile, warps and stages (:data:`SMALL_ROWS`, :data:`INVARIANT` or a
+            :class:`~ngram_hal.kernels.triton.products.ProductTable`'s choice for the weight's
+            shape); one tiling for every row count keeps rows batch-invariant.
     Returns:
         float[M, N]: y, or the updated ``residual``.
     """
@@ -144,7 +136,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
                              NORM=norm_eps is not None, GLU=glu, ADD=residual is not None, BLOCK_M=tiling.block_m,
                              BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                              NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
-                             UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=4, num_stages=3)
+                             UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
+                             num_stages=tiling.num_stages)
     return out
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .products import ProductTable
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -59,6 +61,9 @@ class LaunchConfig:
             kernels and the vendor BLAS; 0: never.
         fused_linear_max_bytes: the largest weight such a product reads; larger ones (bound by
             bandwidth, where the vendor BLAS is faster) run apart.
+        products: the product each weight shape runs fastest on this device, by rows, as a sweep
+            chose it (:class:`~ngram_hal.kernels.triton.products.ProductTable`); shapes it does
+            not list follow the two fields above. None: no table.
     """
 
     warp_size: int = 32
@@ -82,6 +87,7 @@ class LaunchConfig:
     vocab_block: int = 4096
     fused_linear_rows: int = 64
     fused_linear_max_bytes: int = 16 << 20
+    products: ProductTable | None = None
 
     def attn_block_n(self, head_dim: int, elt_bytes: int, decode: bool = False) -> int:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode),
@@ -119,6 +125,10 @@ class LaunchConfig:
             if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split"):
                 continue
             if f.name == "fused_linear_rows" and value == 0:
+                continue
+            if f.name == "products":
+                if value is not None and not isinstance(value, ProductTable):
+                    raise ValueError(f"LaunchConfig.products: expected a ProductTable or None, got {value!r}")
                 continue
             if f.name == "attn_even_split":
                 if not isinstance(value, bool):

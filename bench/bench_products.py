@@ -1,0 +1,224 @@
+"""The model's projections at real shapes: every candidate product timed, the fastest written as the
+backend's product table.
+
+For each shape (``--shapes``: presets of :data:`ngram_hal.engine.shapes.PRESETS` or JSON files)
+the five products of a decode step (QKV after the attention norm, the output projection and its
+residual add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run
+through the engine's own Triton model kernels at each row count of ``--rows``, once per candidate:
+the steps apart (the norm kernel, cuBLAS, the SwiGLU kernel) and the fused product in each tiling
+of :data:`SWEEP`. A candidate must agree with the steps apart before it is timed. Time is device
+time per call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them,
+more than the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it
+reaches against a device-to-device copy measured in the same run.
+
+``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`):
+the fastest candidate at each row count (the steps apart included), and for the batch-invariant mode
+the one tiling with the least time summed over the row counts, each relative to that count's
+fastest. The cuda backend loads the table of its GPU model from ``ngram_hal_cuda/products/``.
+
+    python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
+        --write-table backends/cuda/ngram_hal_cuda/products/h200.json --json reports/bench_products.json
+    TRITON_INTERPRET=1 NGRAM_HAL_CUDA_PROXY=1 python bench/bench_products.py --device cpu --shapes tiny.json --rows 1,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth, graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
+
+from ngram_hal.cli.run import int_list  # noqa: E402
+from ngram_hal.engine.shapes import load_shape  # noqa: E402
+from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels, TritonLinear  # noqa: E402
+from ngram_hal.kernels.triton import interpreting  # noqa: E402
+from ngram_hal.kernels.triton.products import ProductTable, RowsChoice, ShapeChoice, Tiling  # noqa: E402
+from ngram_hal.model_kernels import default_dtype  # noqa: E402
+from ngram_hal_cuda import CudaBackend  # noqa: E402
+
+SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(16, 32, 128), Tiling(16, 32, 512),
+         Tiling(16, 64, 128), Tiling(16, 64, 256), Tiling(16, 32, 256, 4, 4), Tiling(16, 32, 256, 8, 3),
+         Tiling(16, 64, 128, 4, 4), Tiling(16, 128, 128, 8, 3), Tiling(32, 64, 128), Tiling(64, 64, 64),
+         Tiling(64, 128, 64, 8, 3))
+"""Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`."""
+QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64))
+WEIGHT_BYTES = 256 << 20
+AGREE = 0.05
+
+
+def projections(config) -> dict[str, tuple[int, int]]:
+    """Weight shape ``[N, K]`` of each product of a layer and of the LM head."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hd, inter = config.hidden_size, config.intermediate_size
+    return {"qkv": (q + 2 * kv, hd), "o": (hd, q), "gate_up": (2 * inter, hd), "down": (hd, inter),
+            "lm_head": (config.vocab_size, hd)}
+
+
+def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.Tensor, residual: torch.Tensor):
+    """One product as the model runs it: float[rows, K] in; the output, or None where the
+    residual add was done in place."""
+    if kind == "qkv":
+        return kernels.norm_linear(x, None, linear)
+    if kind == "gate_up":
+        return kernels.norm_swiglu(x, None, linear)
+    if kind == "lm_head":
+        return linear(x)
+    return kernels.linear_add(x, linear, residual)
+
+
+def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], rows: int, tiling: Tiling | None):
+    """``kernels`` set to run ``tiling`` (None: the steps apart) for weights of ``weight_shape``."""
+    choice = ShapeChoice(n=weight_shape[0], k=weight_shape[1], by_rows=(RowsChoice(max_rows=rows, tiling=tiling),),
+                         invariant=tiling or Tiling(16, 32, 256))
+    table = ProductTable(device="sweep", dtype="-", source="-", shapes=(choice,))
+    kernels.launch = dataclasses.replace(base, products=table)
+
+
+def output(kind, kernels, linear, x) -> torch.Tensor:
+    """The product's result on ``x`` (a residual add's increment on a zero residual), float32."""
+    residual = torch.zeros((x.shape[0], linear.weight.shape[0]), dtype=x.dtype, device=x.device)
+    out = call(kind, kernels, linear, x, residual)
+    return (residual if out is None else out).float()
+
+
+def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
+    """Rows of one shape: every product, row count and candidate."""
+    kernels = TritonLayerKernels(config, backend, dtype)
+    base = backend.launch
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    gen = torch.Generator(backend.device).manual_seed(args.seed)
+    rows_out = []
+    for kind, (n, k) in projections(config).items():
+        weight_bytes = n * k * dtype.itemsize
+        copies = max(1, min(args.max_copies, math.ceil(WEIGHT_BYTES / weight_bytes)))
+        copies = copies if backend.device.type == "cuda" else 1
+        linears = [TritonLinear((0.02 * torch.randn((n, k), generator=gen, device=backend.device)).to(dtype), kernels)
+                   for _ in range(copies)]
+        out_n = n // 2 if kind == "gate_up" else n
+        for rows in args.rows:
+            x = torch.randn((rows, k), generator=gen, device=backend.device).to(dtype)
+            residual = torch.zeros((rows, out_n), dtype=dtype, device=backend.device)
+            forced(kernels, base, (n, k), rows, None)
+            want = output(kind, kernels, linears[0], x)
+            apart_us = None
+            for tiling in (None, *sweep):
+                forced(kernels, base, (n, k), rows, tiling)
+                got = output(kind, kernels, linears[0], x)
+                err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+                if err > AGREE:
+                    raise SystemExit(f"{name} {kind} rows={rows} {tiling}: differs from the steps apart by {err:.3g} "
+                                     "of the largest value")
+                turn = iter(range(1 << 62))
+                ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual),
+                              backend.device, copies, args.replays)
+                us = None if ms is None else 1e3 * ms
+                apart_us = us if tiling is None else apart_us
+                rows_out.append({"shape": name, "product": kind, "n": n, "k": k, "rows": rows,
+                                 "candidate": "apart" if tiling is None else tiling.label,
+                                 "tiling": None if tiling is None else list(tiling), "us": us,
+                                 "weight_gb_per_s": None if us is None else weight_bytes / us / 1e3,
+                                 "vs_apart": None if us is None or apart_us is None else apart_us / us,
+                                 "max_rel_diff": err, "weight_copies": copies})
+        console.print(f"{name} {kind} [{n}, {k}]: {len(args.rows)} row counts x {1 + len(sweep)} candidates")
+        del linears
+    kernels.launch = base
+    return rows_out
+
+
+def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, source: str) -> ProductTable:
+    """The fastest candidate per weight shape and row count; the invariant tiling per shape."""
+    shapes = {}
+    for r in results:
+        shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], []).append(r)
+    choices = []
+    for (n, k), by_rows in shapes.items():
+        best = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in sorted(by_rows.items())}
+        fused = {}
+        for rows, cands in by_rows.items():
+            for r in cands:
+                if r["tiling"] is not None:
+                    fused.setdefault(tuple(r["tiling"]), 0.0)
+                    fused[tuple(r["tiling"])] += r["us"] / best[rows]["us"]
+        invariant = min(fused, key=fused.get)
+        choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), by_rows=tuple(
+            RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]))
+            for rows, r in best.items())))
+    return ProductTable(device=device_name, dtype=str(dtype).removeprefix("torch."), source=source,
+                        shapes=tuple(choices))
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-1b,llama-8b")
+    parser.add_argument("--rows", type=int_list, default=[1, 8, 16, 64], help="rows per product (increasing)")
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--max-copies", type=int, default=256, help="most copies of a weight a graph cycles through")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="two candidate tilings only")
+    parser.add_argument("--write-table", help="write the chosen products here (a product table JSON)")
+    parser.add_argument("--json", default="reports/bench_products.json")
+    args = parser.parse_args(argv)
+    if args.rows != sorted(set(args.rows)):
+        parser.error(f"--rows must increase, got {args.rows}")
+    backend = CudaBackend(device=args.device)
+    device = backend.device
+    if args.write_table and device.type != "cuda":
+        raise SystemExit("--write-table needs timings: run on a CUDA device")
+    dtype = torch.float32 if interpreting() else default_dtype(device)
+    console = make_console()
+    bandwidth = None if device.type == "cpu" else copy_bandwidth(device, 1 << 30)
+    results = []
+    for spec in args.shapes.split(","):
+        name, config = load_shape(spec)
+        results += time_shape(name, config, args, backend, dtype, console)
+    table = make_table("the model's products: us of device time per call (graph), weight GB/s",
+                       ["shape", "product", "rows", "apart us", "best", "best us", "GB/s", "of copy bw", "vs apart"],
+                       left=["shape", "product", "best"])
+    groups = {}
+    for r in results:
+        groups.setdefault((r["shape"], r["product"], r["rows"]), []).append(r)
+    for (shape, product, rows), cands in groups.items():
+        best = min(cands, key=lambda r: r["us"] if r["us"] is not None else 0.0)
+        apart = cands[0]
+        of_copy = None if bandwidth is None or best["us"] is None else best["weight_gb_per_s"] * 1e9 / bandwidth
+        table.add_row(shape, product, str(rows), _fmt(apart["us"], "{:.1f}"), best["candidate"],
+                      _fmt(best["us"], "{:.1f}"), _fmt(best["weight_gb_per_s"], "{:.0f}"), _fmt(of_copy, "{:.0%}"),
+                      _fmt(best["vs_apart"], "{:.2f}x"))
+    console.print(table)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
+    source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))} at {commit()}"
+    report = {**report_header("ngram-hal/bench-products/1", backend), "dtype": str(dtype).removeprefix("torch."),
+              "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+    if args.write_table:
+        chosen = choose_table(results, device_name, dtype, source)
+        Path(args.write_table).parent.mkdir(parents=True, exist_ok=True)
+        chosen.dump(args.write_table)
+        report["table"] = chosen.model_dump(mode="json", by_alias=True)
+        console.print(f"product table for {device_name} written to {args.write_table}")
+    write_report(args.json, report, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

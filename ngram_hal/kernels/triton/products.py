@@ -1,0 +1,138 @@
+"""Which product each of the model's projections runs, as a sweep on one device chose it.
+
+A projection is known by its weight's shape ``[N, K]`` (``[2N, K]`` for a fused gate/up). For a
+forward of ``rows`` rows it runs either the fused Triton product in one :class:`Tiling` or the
+steps apart (the norm kernel, then the vendor BLAS); in the batch-invariant mode it runs one
+tiling for every row count. ``bench/bench_products.py --write-table`` times every candidate for
+the projections of the shapes it is given and writes the fastest as a :class:`ProductTable`; a
+backend loads the table of its device and hands it to the model kernels in its
+:class:`~ngram_hal.kernels.triton.LaunchConfig`. Shapes the table does not list keep the backend's
+fixed rule (``fused_linear_rows`` and ``fused_linear_max_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+SCHEMA = "ngram-hal/product-table/1"
+
+
+class Tiling(NamedTuple):
+    """Rows, output columns and reduction steps of one program of the fused product, and its warps
+    and software-pipelining stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def label(self) -> str:
+        """``MxNxK``, then ``/wW`` and ``/sS`` where warps and stages differ from 4 and 3."""
+        warps = "" if self.num_warps == 4 else f"/w{self.num_warps}"
+        stages = "" if self.num_stages == 3 else f"/s{self.num_stages}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}"
+
+
+def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
+    """``tiling`` unchanged; a ValueError where a block or the warps are not a positive power of two
+    or the stages not positive."""
+    for name, v in zip(Tiling._fields, tiling or ()):
+        if v < 1 or (name != "num_stages" and v & (v - 1)):
+            raise ValueError(f"tiling {list(tiling)}: {name} must be a positive "
+                             f"{'int' if name == 'num_stages' else 'power of two'}, got {v}")
+    return tiling
+
+
+class RowsChoice(BaseModel):
+    """Forwards of at most ``max_rows`` rows (and more than the previous bucket's) run ``tiling``;
+    None: the steps apart."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_rows: int = Field(ge=1)
+    tiling: Tiling | None
+
+    _tiling = field_validator("tiling")(_powers_of_two)
+
+
+class ShapeChoice(BaseModel):
+    """The choices for one weight shape: by row count, and the one tiling of the invariant mode."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    n: int = Field(ge=1, description="rows of the weight (2N for a fused gate/up)")
+    k: int = Field(ge=1, description="the reduction length")
+    by_rows: tuple[RowsChoice, ...] = Field(min_length=1)
+    invariant: Tiling
+
+    _invariant = field_validator("invariant")(_powers_of_two)
+
+    @model_validator(mode="after")
+    def _increasing(self) -> ShapeChoice:
+        bounds = [c.max_rows for c in self.by_rows]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"weight [{self.n}, {self.k}]: by_rows bounds must increase, got {bounds}")
+        return self
+
+
+class ProductTable(BaseModel):
+    """The products one device runs fastest, per weight shape (JSON schema :data:`SCHEMA`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_: str = Field(SCHEMA, alias="schema")
+    device: str = Field(description="the device name the sweep ran on (torch.cuda.get_device_name)")
+    dtype: str
+    source: str = Field(description="the command and commit that wrote the table")
+    shapes: tuple[ShapeChoice, ...]
+    _by_shape: dict[tuple[int, int], ShapeChoice] = PrivateAttr(default_factory=dict)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, value: str) -> str:
+        if value != SCHEMA:
+            raise ValueError(f"product table schema {value!r}: expected {SCHEMA!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _unique(self) -> ProductTable:
+        self._by_shape.update(((s.n, s.k), s) for s in self.shapes)
+        if len(self._by_shape) != len(self.shapes):
+            raise ValueError(f"product table for {self.device}: a weight shape is listed twice")
+        return self
+
+    def lookup(self, n: int, k: int) -> ShapeChoice | None:
+        """The choices for a weight ``[n, k]``, or None where the sweep did not time it."""
+        return self._by_shape.get((n, k))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProductTable:
+        """Read and validate a table file; a clear ValueError names the file on a bad one."""
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"product table {path}: {exc}") from exc
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(by_alias=True, indent=1) + "\n")
+
+
+def choose(choice: ShapeChoice, rows: int) -> Tiling | None:
+    """The tiling for a forward of ``rows`` rows, or None (the steps apart); more rows than the
+    last bucket run apart."""
+    for bucket in choice.by_rows:
+        if rows <= bucket.max_rows:
+            return bucket.tiling
+    return None
+
+
+def table_for(directory: str | Path, device_name: str) -> ProductTable | None:
+    """The table among ``directory``'s ``*.json`` files swept on ``device_name``, or None."""
+    for path in sorted(Path(directory).glob("*.json")):
+        table = ProductTable.load(path)
+        if table.device == device_name:
+            return table
+    return None

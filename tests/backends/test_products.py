@@ -1,0 +1,88 @@
+"""Product tables: their validation and the choice they make per weight shape and row count (the
+model run by one: ``test_model_triton.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from tiny_model import TINY  # noqa: E402
+
+from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
+from ngram_hal.kernels.gpu.matmul import SMALL_ROWS  # noqa: E402
+from ngram_hal.kernels.triton import LaunchConfig  # noqa: E402
+from ngram_hal.kernels.triton.products import SCHEMA, ProductTable, Tiling, choose, table_for  # noqa: E402
+from ngram_hal.model_kernels import DenseLinear  # noqa: E402
+from ngram_hal_cuda import CudaBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+QKV = ((TINY.num_heads + 2 * TINY.num_kv_heads) * TINY.head_dim, TINY.hidden_size)
+GATE_UP = (2 * TINY.intermediate_size, TINY.hidden_size)  # the LM head's shape too: one choice serves both
+
+
+def shape(n, k, by_rows, invariant=(16, 32, 256)):
+    return {"n": n, "k": k, "invariant": list(invariant),
+            "by_rows": [{"max_rows": rows, "tiling": tiling} for rows, tiling in by_rows]}
+
+
+def table(*shapes, device="test-gpu") -> ProductTable:
+    return ProductTable.model_validate({"schema": SCHEMA, "device": device, "dtype": "float32", "source": "test",
+                                        "shapes": list(shapes)})
+
+
+TABLE = table(shape(*QKV, [(1, [16, 16, 64]), (8, None), (64, [16, 64, 128, 8, 2])]),
+              shape(*GATE_UP, [(4, [32, 16, 64]), (16, None), (64, [16, 32, 128])], invariant=(16, 16, 64, 2, 2)))
+
+
+def test_the_choice_follows_the_row_buckets_and_more_rows_run_apart():
+    qkv = TABLE.lookup(*QKV)
+    assert choose(qkv, 1) == Tiling(16, 16, 64)
+    assert choose(qkv, 2) is None and choose(qkv, 8) is None
+    assert choose(qkv, 9) == Tiling(16, 64, 128, 8, 2) and choose(qkv, 64).label == "16x64x128/w8/s2"
+    assert choose(qkv, 65) is None
+    assert TABLE.lookup(7, 7) is None
+
+
+def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_elsewhere():
+    backend = CudaBackend(device=DEVICE)
+    backend.launch = dataclasses.replace(backend.launch, products=TABLE)
+    kernels = TritonLayerKernels(TINY, backend, torch.float32)
+    listed, unlisted = DenseLinear(torch.zeros(QKV)), DenseLinear(torch.zeros(TINY.hidden_size, TINY.hidden_size))
+    assert kernels.tiling(1, listed) == Tiling(16, 16, 64) and kernels.tiling(5, listed) is None
+    assert kernels.tiling(5, unlisted) == SMALL_ROWS
+    assert kernels.tiling(backend.launch.fused_linear_rows + 1, unlisted) is None
+    invariant = TritonLayerKernels(TINY, backend, torch.float32, batch_invariant=True)
+    assert invariant.tiling(5, listed) == Tiling(16, 32, 256) and invariant.tiling(500, unlisted) == SMALL_ROWS
+
+
+@pytest.mark.parametrize("bad, message", [
+    (shape(4, 8, [(1, [16, 24, 64])]), "block_n must be a positive power of two, got 24"),
+    (shape(4, 8, [(8, None), (2, None)]), "by_rows bounds must increase"),
+    (shape(4, 8, [(1, None)], invariant=(16, 16, 16, 4, 0)), "num_stages must be a positive int"),
+])
+def test_a_bad_table_is_refused_naming_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        table(bad)
+
+
+def test_a_shape_listed_twice_or_another_schema_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="listed twice"):
+        table(shape(4, 8, [(1, None)]), shape(4, 8, [(2, None)]))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**TABLE.model_dump(mode="json", by_alias=True), "schema": "ngram-hal/product-table/0"}))
+    with pytest.raises(ValueError, match="(?s)old.json.*expected 'ngram-hal/product-table/1'"):
+        ProductTable.load(path)
+    with pytest.raises(ValueError, match="products: expected a ProductTable"):
+        LaunchConfig(products={"shapes": []})
+
+
+def test_the_backend_finds_the_table_of_its_device_by_name(tmp_path):
+    TABLE.dump(tmp_path / "a.json")
+    table(shape(4, 8, [(1, None)]), device="other-gpu").dump(tmp_path / "b.json")
+    assert table_for(tmp_path, "test-gpu") == TABLE
+    assert table_for(tmp_path, "other-gpu").lookup(4, 8) is not None
+    assert table_for(tmp_path, "unlisted-gpu") is None

@@ -14,7 +14,8 @@ reaches against a device-to-device copy measured in the same run.
 ``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`):
 the fastest candidate at each row count (the steps apart included), and for the batch-invariant mode
 the one tiling with the least time summed over the row counts, each relative to that count's
-fastest. The cuda backend loads the table of its GPU model from ``ngram_hal_cuda/products/``.
+fastest. ``bench/bench_shapes.py --products table,fixed`` runs the engine by the table of its GPU
+model (``ngram_hal_cuda/products/``) beside the fixed rule; the backend does not load it by default.
 
     python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
         --write-table backends/cuda/ngram_hal_cuda/products/h200.json --json reports/bench_products.json

@@ -12,8 +12,8 @@ Reported per row: decode tok/s, ms per step, and for plain steps the weight-stre
 (``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
 same run) and the fraction of it reached; for verify steps the cost of a step against a plain
 step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
-as the backend's sweep table chose them (``bench/bench_products.py``) and by the fixed rule, side by
-side. ``--transformers`` adds transformers' ``generate`` with a static cache on
+as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; not the
+default) and by the fixed rule (the default), side by side. ``--transformers`` adds transformers' ``generate`` with a static cache on
 the same shape (its own random weights), batch 1. Targets from the real-shapes issue are checked
 and printed, never an exit code.
 
@@ -44,8 +44,10 @@ from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.shapes import check_fits, load_shape, parameter_bytes, streamed_bytes  # noqa: E402
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
+from ngram_hal.kernels.triton.products import table_for  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
+from ngram_hal_cuda.backend import PRODUCT_TABLES  # noqa: E402
 
 def product_modes(text: str) -> list[str]:
     """``table``, ``fixed`` or both, comma separated (argparse type)."""
@@ -77,15 +79,17 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
     context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
     streamed = streamed_bytes(model.config, model.dtype)
     triton = isinstance(model.kernels, TritonLayerKernels)
-    if not triton and args.products != ["table"]:
+    if not triton and args.products != ["fixed"]:
         raise SystemExit(f"--products {','.join(args.products)}: the {model.backend.name} backend's model kernels "
                          "have no product table")
-    table = model.kernels.launch if triton else None
+    fixed = model.kernels.launch if triton else None
+    name_of_device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    table = dataclasses.replace(fixed, products=table_for(PRODUCT_TABLES, name_of_device)) if triton else None
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
         for products in args.products:
             if triton:
-                model.kernels.launch = table if products == "table" else dataclasses.replace(table, products=None)
+                model.kernels.launch = table if products == "table" else fixed
             plain_ms = None
             for tree_size in (1, args.tree_size):
                 config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always",
@@ -109,7 +113,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 del engine
                 release_memory(model.device)
     if triton:
-        model.kernels.launch = table
+        model.kernels.launch = fixed
     return rows
 
 
@@ -211,9 +215,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
-    parser.add_argument("--products", type=product_modes, default=["table"], metavar="table,fixed",
-                        help="the projections' products: the backend's sweep table (default), the fixed rule, or both "
-                             "side by side")
+    parser.add_argument("--products", type=product_modes, default=["fixed"], metavar="table,fixed",
+                        help="the projections' products: the fixed rule (default), the cuda backend's sweep table for "
+                             "this GPU, or both side by side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
     args = parser.parse_args(argv)

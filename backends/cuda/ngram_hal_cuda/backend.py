@@ -19,10 +19,13 @@ import torch
 from ngram_hal.backend import Backend
 from ngram_hal.kernels.triton import LaunchConfig, interpreting
 from ngram_hal.kernels.triton.ops import TritonHalOps
-from ngram_hal.kernels.triton.products import table_for
 from ngram_hal.proxy import ProxyFlag, requested
 
 PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
+# Product tables swept per GPU model (bench/bench_products.py). Not loaded by default: in the engine
+# at the 8B shape the H200 table ran plain decoding at 112 against 208 tok/s by the fixed rule
+# (docs/h200.md), though each product alone was as fast or faster; bench_shapes --products
+# table,fixed loads it beside the fixed rule.
 PRODUCT_TABLES = Path(__file__).parent / "products"
 
 
@@ -47,10 +50,6 @@ class CudaBackend(TritonHalOps, Backend):
             # Interpreted on the CPU: split the keys of small batches too, so that the key-split and
             # merge kernels (the GPU's decode path) run in the proxy's checks.
             self.launch = replace(self.launch, attn_programs=64, attn_min_split=16)
-        else:
-            # The projections' products as ``bench/bench_products.py`` chose them on this GPU model.
-            self.launch = replace(self.launch,
-                                  products=table_for(PRODUCT_TABLES, torch.cuda.get_device_name(self.device)))
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

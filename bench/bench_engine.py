@@ -37,6 +37,13 @@ JSON is rewritten after every run.
     python bench/bench_engine.py --device cuda                     # everything, on a GPU
     python bench/bench_engine.py --device cuda --runs plain,spec8 --batch-sizes 1
     python bench/bench_engine.py --backend cpu --quick             # tiny, on the CPU
+    python bench/bench_engine.py --device cuda --shape llama-8b --runs plain,auto16-device --batch-sizes 1,16
+
+``--shape`` runs a model of a named shape (or a JSON file of LlamaConfig fields) with seeded
+random weights made on the device instead of the model file's (whose tokenizer still encodes the
+prompts): the runs' costs at that size, their drafts' acceptance meaningless. Plain runs then
+report the weight-streaming limit of their batch (``B * copy bandwidth / bytes of weights a step
+reads``) and the share of it their decode tok/s reached.
 """
 
 from __future__ import annotations
@@ -55,13 +62,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from common import (error_text, make_console, make_table, peak_memory, peak_rss_bytes,  # noqa: E402
-                    release_memory, report_header, reset_peak_memory, write_json, write_report)
+from common import (error_text, make_console, make_table, peak_rss_bytes,  # noqa: E402
+                    release_memory, report_header, write_json, write_report)
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
-from ngram_hal.cli.run import (Setup, add_model_arguments, check_tree_room, int_list,  # noqa: E402
-                                       prompt_specs)
+from ngram_hal.cli.run import (Setup, add_model_arguments, add_shape_argument, check_tree_room,  # noqa: E402
+                               int_list, prompt_specs)
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
 from ngram_hal.options import POSITIVE_INT  # noqa: E402
@@ -116,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options; list defaults depend on ``--quick`` (see :data:`FULL` and :data:`QUICK`)."""
     parser = Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
+    add_shape_argument(parser)
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None, help="prompts (default: the bundled ones)")
     parser.add_argument("--batch-sizes", type=int_list, default=None, metavar="B,...",
                         help="comma-separated batch sizes (default 1,16,64; quick 1,2)")
@@ -311,13 +319,13 @@ def measure(work: Workload, model, cfg: RunConfig, partner: PlainPartner | None 
         warm = work.run(engine)
         row["warmup_s"] = time.perf_counter() - start
         captures = engine.graphs.captures if engine.graphs is not None else None
-        reset_peak_memory(device)
+        setup.backend.runtime.reset_peak_memory()
         passes, plain_rates = [], []
         for _ in range(args.repeats):
             if partner is not None:
                 plain_rates.append(partner.rate())
             passes.append(work.timed_pass(engine))
-        row["peak_device_memory_bytes"] = peak_memory(device)
+        row["peak_device_memory_bytes"] = setup.backend.runtime.peak_memory()
         row["passes_tokens_per_s"] = [rate for rate, _, _ in passes]
         row["paired_plain_tokens_per_s"] = plain_rates or None
         row["vs_plain_paired"] = (statistics.median(p[0] / q for p, q in zip(passes, plain_rates))
@@ -507,6 +515,17 @@ def print_tables(console: Console, report: dict) -> None:
                       _f(r.get("vs_plain_paired"), ".2f"), _f(r.get("vs_old"), ".2f"), f"{same['same']}/{same['of']}" if same else "-",
                       _f(peak / 2**20 if peak is not None else None, ".0f"))
     console.print(speed)
+    limited = [r for r in rows if "limit_tokens_per_s" in r]
+    if limited:
+        shape = report["shape"]
+        table = make_table(f"engine: plain decoding against the weight-streaming limit (shape {shape['name']}: "
+                           f"{shape['streamed_bytes'] / 1e9:.2f} GB a step, copy bandwidth "
+                           f"{shape['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)",
+                           ("B", "run", "decode tok/s", "limit tok/s", "of limit"), left=("run",))
+        for r in limited:
+            table.add_row(str(r["batch"]), r["run"], f"{r['totals']['decode_tokens_per_s']:,.1f}",
+                          f"{r['limit_tokens_per_s']:,.0f}", f"{r['fraction_of_limit']:.0%}")
+        console.print(table)
     steps = make_table("engine: per step (host ms hidden behind the device / on its critical path / in the drafter; "
                        "profiled decode steps: GPU kernels, host launch calls, GPU busy ms)",
                        ("B", "run", "ms/step", "hidden", "critical", "draft", "kernels", "launches", "GPU ms",
@@ -566,6 +585,7 @@ def bench(args: argparse.Namespace) -> int:
     backend, tokenizer = setup.backend, setup.tokenizer
     prompt_lens = {s.id: len(tokenizer.encode_chat(s.messages)) for s in specs}
     report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
+              "shape": setup.shape_report,
               "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
                           "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
@@ -594,6 +614,8 @@ def bench(args: argparse.Namespace) -> int:
             else:
                 with status.status(f"B={batch} {cfg.name} ..."):
                     row = measure(work, model, cfg, partner if cfg.name != PLAIN else None)
+                if cfg.tree_size == 1 and row["status"] == "ok":
+                    row |= setup.streaming_limit(batch, row["totals"]["decode_tokens_per_s"])
             report["runs"].append(row)
             status.print(run_line(row, time.perf_counter() - start), highlight=False, markup=False)
             derive(report, configs, args.batch_sizes)

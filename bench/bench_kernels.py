@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_reference_ops import Scene  # noqa: E402
-from common import (copy_bandwidth, graph_ms, make_console, make_table, median_ms,  # noqa: E402
+from common import (graph_ms, make_console, make_table, median_ms,  # noqa: E402
                     report_header, write_report)
 
 from ngram_hal.backend import Backend  # noqa: E402
@@ -194,7 +194,7 @@ def per_layer_torch(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
 def bench_move(ctx: Context) -> None:
     args = ctx.args
     shapes, counts = (QUICK_MOVE_SHAPES, QUICK_MOVE_PAIRS) if args.quick else (MOVE_SHAPES, MOVE_PAIRS)
-    bandwidth = ctx.copy_bandwidth = copy_bandwidth(ctx.device, args.copy_bytes)
+    bandwidth = ctx.copy_bandwidth = ctx.cuda.runtime.copy_bandwidth(args.copy_bytes)
     gen = torch.Generator(device=ctx.device).manual_seed(args.seed)
     for L, H, d in shapes:
         S = 2 * max(counts)

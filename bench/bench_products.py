@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
+from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
 
 from ngram_hal.cli.run import int_list  # noqa: E402
 from ngram_hal.engine.shapes import load_shape  # noqa: E402
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--write-table needs timings: run on a CUDA device")
     dtype = torch.float32 if interpreting() else default_dtype(device)
     console = make_console()
-    bandwidth = None if device.type == "cpu" else copy_bandwidth(device, 1 << 30)
+    bandwidth = None if device.type == "cpu" else backend.runtime.copy_bandwidth(1 << 30)
     results = []
     for spec in args.shapes.split(","):
         name, config = load_shape(spec)

@@ -99,15 +99,8 @@ def error_text(exc: BaseException) -> str:
 # ------------------------------------------------------------------ device memory
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak of allocated device memory (CUDA and ROCm; nothing elsewhere)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory(device: torch.device) -> int | None:
-    """Bytes of device memory allocated at the peak since :func:`reset_peak_memory`; None off CUDA."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def release_memory(device: torch.device) -> None:
@@ -169,13 +162,3 @@ def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, replays
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the graph's private memory pool, which no later graph reuses
     return elapsed
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """Bytes per second of a large device-to-device ``copy_`` (bytes read plus bytes written), the
-    median of ``repeats`` copies of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    sync = torch.get_device_module(device.type).synchronize if device.type != "cpu" else (lambda: None)
-    seconds = median_ms(lambda: dst.copy_(src), sync, repeats, warmup=2) / 1e3
-    return 2 * nbytes / seconds

@@ -46,3 +46,6 @@ def field_type(model: type[BaseModel], name: str) -> Callable[[str], Any]:
 
 POSITIVE_INT = checked(Annotated[int, Field(ge=1)])
 """An argparse ``type`` for an int of at least 1."""
+
+FRACTION = checked(Annotated[float, Field(gt=0, le=1)])
+"""An argparse ``type`` for a float in (0, 1]."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import statistics
+import time
 
 import torch
 
@@ -88,6 +90,35 @@ class Runtime:
         None on the host or where the runtime does not say."""
         get = None if self._host else getattr(self._module, "mem_get_info", None)
         return int(get(self.device)[0]) if callable(get) else None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak of allocated device memory (nothing on the host or where the runtime
+        keeps no peak)."""
+        reset = None if self._host else getattr(self._module, "reset_peak_memory_stats", None)
+        if callable(reset):
+            reset(self.device)
+
+    def peak_memory(self) -> int | None:
+        """Bytes of device memory allocated at the peak since :meth:`reset_peak_memory`; None on
+        the host or where the runtime does not say."""
+        get = None if self._host else getattr(self._module, "max_memory_allocated", None)
+        return int(get(self.device)) if callable(get) else None
+
+    def copy_bandwidth(self, nbytes: int, repeats: int = 10) -> float:
+        """Bytes per second of a device-to-device copy of ``nbytes`` (bytes read plus bytes
+        written): the median of ``repeats`` copies after two untimed ones."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        for _ in range(2):
+            dst.copy_(src)
+        times = []
+        for _ in range(repeats):
+            self.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src)
+            self.synchronize()
+            times.append(time.perf_counter() - start)
+        return 2 * nbytes / statistics.median(times)
 
     def hardware(self) -> dict[str, str | int | None]:
         """What the device is, for reports: ``name`` (:attr:`device_name`), ``architecture``

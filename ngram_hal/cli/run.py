@@ -12,6 +12,7 @@ spinners and bars on a terminal, time-stamped lines in a pipe).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -26,18 +27,24 @@ from rich.console import Console
 from rich.table import Table
 
 from ..backend import OPS
+from ..model_kernels import default_dtype
 from .common import CommandError, check_destination, error_line, write_output
-from ..options import POSITIVE_INT, field_type
+from ..options import FRACTION, POSITIVE_INT, field_type
 from ..registry import ENV_BACKEND, backend_class, get_backend
 from ..engine.engine import EngineConfig
-from ..engine.gguf_loader import find_model_file
+from ..engine.config import LlamaConfig
+from ..engine.gguf_loader import find_model_file, read_model_config
 from ..engine.progress import Status
 from ..engine.request import SamplingParams
 from ..engine.scheduler import pages_of, request_room
+from ..engine.shapes import PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes
 from ..engine.tokenizer import Tokenizer
 from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
+DEFAULT_NUM_SLOTS = 16384
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COPY_BYTES = 2**31
+"""Bytes of the copy that measures a device's bandwidth for the weight-streaming limit."""
 COMPILE_NOTE = "20-40 s the first time, 1-2 s after"
 GPU_TREE_SIZE, CPU_TREE_SIZE = 16, 8
 """``--tree-size`` by default: on a GPU a verify row costs little beside a decode row, so ``auto``
@@ -69,8 +76,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", choices=("trie", "linear", "device"), default=None,
                         help="n-gram drafter: trie or linear on the host, device: the linear drafter's chains drafted "
                              "on the device (default: device on a backend with Triton model kernels, trie elsewhere)")
-    parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=16384,
-                        help="KV-cache slots (default 16384)")
+    parser.add_argument("--num-slots", type=field_type(EngineConfig, "num_slots"), default=None,
+                        help=f"KV-cache slots (default {DEFAULT_NUM_SLOTS}, or as --kv-fraction sizes them)")
+    parser.add_argument("--kv-fraction", type=FRACTION, default=None, metavar="F",
+                        help="size the KV cache to F of the device memory free once the weights are in, "
+                             "0 < F <= 1 (an accelerator; instead of --num-slots)")
     parser.add_argument("--page-size", type=field_type(EngineConfig, "page_size"), default=1,
                         help="KV slots per page of the allocator (default 1)")
     parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
@@ -115,9 +125,18 @@ def int_list(text: str) -> list[int]:
     return [POSITIVE_INT(part) for part in text.split(",")]
 
 
+def add_shape_argument(parser: argparse.ArgumentParser) -> None:
+    """``--shape``: a model of a named shape with seeded random weights instead of the file's."""
+    parser.add_argument("--shape", default=None, metavar="NAME|FILE.json",
+                        help=f"run a model of this shape ({', '.join(PRESETS)}, or a JSON file of LlamaConfig "
+                             "fields) with seeded random weights made on the device instead of the model file's "
+                             "(the file still gives the tokenizer); plain runs report the weight-streaming limit")
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``ngram-hal bench``."""
     _add_common(parser)
+    add_shape_argument(parser)
     parser.add_argument("--max-new-tokens", type=field_type(SamplingParams, "max_new_tokens"), default=64,
                         metavar="N", help="at most N new tokens per request (default 64)")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 16],
@@ -258,6 +277,63 @@ def make_backend(args: argparse.Namespace):
     return backend
 
 
+def shape_option(args: argparse.Namespace) -> tuple[str, LlamaConfig] | None:
+    """``(name, config)`` of ``--shape``, or None without it; a :class:`CommandError` naming a bad one."""
+    spec = getattr(args, "shape", None)
+    if spec is None:
+        return None
+    try:
+        return load_shape(spec)
+    except ValueError as exc:
+        raise CommandError(f"--shape: {exc}") from exc
+
+
+def model_config(path: Path) -> LlamaConfig:
+    """The model file's :class:`LlamaConfig`, read without loading a weight."""
+    try:
+        return read_model_config(path)
+    except ValueError as exc:
+        raise CommandError(str(exc), code=1) from exc
+
+
+def kv_cache_slots(args: argparse.Namespace, name: str, config: LlamaConfig, dtype: torch.dtype,
+                   free_bytes: int | None) -> int:
+    """The KV cache's slots: ``--num-slots`` (default :data:`DEFAULT_NUM_SLOTS`), or with
+    ``--kv-fraction F`` as many as F of ``free_bytes`` holds once ``name``'s weights are in.
+
+    A :class:`CommandError`, before anything loads, names the options when the weights and the
+    cache need more than ``free_bytes`` (the device memory free now; None where the device does not
+    say, which skips the check and leaves ``--kv-fraction`` nothing to size from).
+    """
+    fraction = getattr(args, "kv_fraction", None)
+    weights = parameter_bytes(config, dtype)
+    if fraction is None:
+        slots = args.num_slots or DEFAULT_NUM_SLOTS
+        try:
+            check_fits(name, config, dtype, slots, free_bytes)
+        except MemoryError as exc:
+            raise CommandError(f"--num-slots {slots}: {exc}") from exc
+        return slots
+    if args.num_slots is not None:
+        raise CommandError(f"--num-slots {args.num_slots} and --kv-fraction {fraction}: give one of them")
+    if free_bytes is None:
+        raise CommandError(f"--kv-fraction {fraction}: the {args.device or 'host'} device does not report its free "
+                           "memory; give --num-slots")
+    per_slot = kv_bytes(config, dtype, 0)
+    slots = int(fraction * (free_bytes - weights)) // per_slot - 1  # one more row is the cache's scratch slot
+    if slots < 1:
+        raise CommandError(f"--kv-fraction {fraction}: {name}'s {weights / 1e9:.2f} GB of weights leave no room for a "
+                           f"KV cache in the {free_bytes / 1e9:.2f} GB free on the device")
+    return slots
+
+
+def check_vocab(tokenizer: Tokenizer, name: str, config: LlamaConfig) -> None:
+    """A :class:`CommandError` when ``--shape``'s vocabulary is smaller than the tokenizer's."""
+    if config.vocab_size < tokenizer.vocab_size:
+        raise CommandError(f"--shape {name}: vocab_size {config.vocab_size} is smaller than the model file's "
+                           f"tokenizer ({tokenizer.vocab_size} tokens), whose ids the prompts are")
+
+
 def cpu_cores() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -324,12 +400,19 @@ class Setup:
                  check: Callable[[Tokenizer], None] | None = None):
         self.status = status = status if isinstance(status, Status) else Status(plain=False, console=status)
         self.path = path = model_file(args)
+        self.shape = shape_option(args)
         self.backend = make_backend(args)
         if getattr(args, "drafter", None) is None:
             args.drafter = default_drafter(self.backend)
         if getattr(args, "tree_size", 0) is None:
             args.tree_size = default_tree_size(self.backend)
         self.args = args
+        name, self.config = self.shape or (path.name, model_config(path))
+        runtime = self.backend.runtime
+        # Measured before anything is loaded, as bench_shapes does: the device is otherwise idle.
+        self.copy_bandwidth = runtime.copy_bandwidth(COPY_BYTES) if self.shape and not runtime.is_host else None
+        self.weights_dtype = DTYPES[args.dtype] or default_dtype(self.backend.device)
+        args.num_slots = kv_cache_slots(args, name, self.config, self.weights_dtype, self.backend.runtime.free_memory())
         threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
         torch.set_num_threads(threads)
         start = time.perf_counter()
@@ -338,13 +421,17 @@ class Setup:
             with status.status(f"reading the tokenizer of {path.name} ..."):
                 tokenizer = Tokenizer.from_gguf(path)
             check(tokenizer)
-        with status.status(f"loading {path.name} (about 10 s) ..."):
+        what = f"shape {self.shape[0]} with random weights" if self.shape else path.name
+        with status.status(f"loading {what} (about 10 s) ..."):
+            if self.shape:
+                tokenizer = tokenizer or Tokenizer.from_gguf(path)
+                check_vocab(tokenizer, *self.shape)
             self.model = self.load_model(args.batch_invariant)
         self.tokenizer = tokenizer or Tokenizer(self.model.tokenizer_metadata)
         self.load_s = time.perf_counter() - start
         self.dtype = str(self.model.dtype).removeprefix("torch.")
         caps = self.backend.capabilities()
-        status.print(f"loaded {path.name} in {self.load_s:.1f} s")
+        status.print(f"loaded {what} in {self.load_s:.1f} s")
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
                      f"{self.dtype}, {threads} thread{'s' if threads > 1 else ''}")
         if note:
@@ -352,11 +439,39 @@ class Setup:
         self.load_start = os.getloadavg()[0]
 
     def load_model(self, batch_invariant: bool):
-        """The model file loaded (again) on the backend in the chosen dtype; ``batch_invariant`` as
+        """The model file loaded (again) on the backend in the chosen dtype, or with ``--shape`` a
+        model of that shape with the seeded weights of :func:`~ngram_hal.engine.model.random_weights`
+        (seed 0) made on the device; ``batch_invariant`` as
         :meth:`LlamaModel.from_gguf <ngram_hal.engine.model.LlamaModel.from_gguf>` takes it."""
-        from ..engine.model import LlamaModel
+        from ..engine.model import LlamaModel, random_weights
 
-        return LlamaModel.from_gguf(self.backend, self.path, DTYPES[self.args.dtype], batch_invariant=batch_invariant)
+        backend, dtype = self.backend, self.weights_dtype
+        if self.shape:
+            weights = random_weights(self.config, 0, backend.device, dtype)
+            return LlamaModel(self.config, weights, backend, dtype, batch_invariant)
+        return LlamaModel.from_gguf(backend, self.path, dtype, batch_invariant=batch_invariant)
+
+    @functools.cached_property
+    def shape_report(self) -> dict | None:
+        """With ``--shape``: its name, config, weight bytes and bytes streamed per decode step, and
+        the device's copy bandwidth (measured before the model loaded; None on the host), from which
+        :meth:`streaming_limit` bounds plain decoding. None without ``--shape``."""
+        if not self.shape:
+            return None
+        dtype = self.weights_dtype
+        return {"name": self.shape[0], "config": self.config.model_dump(),
+                "parameter_bytes": parameter_bytes(self.config, dtype), "streamed_bytes": streamed_bytes(self.config, dtype),
+                "copy_bandwidth_bytes_per_s": self.copy_bandwidth}
+
+    def streaming_limit(self, batch: int, tokens_per_s: float) -> dict:
+        """With ``--shape`` on an accelerator, for a plain run of ``batch`` requests at a time that
+        made ``tokens_per_s``: the weight-streaming limit of decoding at that batch (``batch * copy
+        bandwidth / bytes streamed per step``) and the share of it reached; {} otherwise."""
+        shape = self.shape_report
+        if not shape or not shape["copy_bandwidth_bytes_per_s"]:
+            return {}
+        limit = batch * shape["copy_bandwidth_bytes_per_s"] / shape["streamed_bytes"]
+        return {"limit_tokens_per_s": limit, "fraction_of_limit": tokens_per_s / limit}
 
     def engine(self, tree_size: int, overlap: bool, batch_size: int, policy: str = "always",
                graphs: bool | None = None, num_slots: int | None = None, model=None, drafter: str | None = None):
@@ -399,7 +514,8 @@ class Setup:
         caps = self.backend.capabilities()
         load = self.load()
         return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.dtype,
-                "batch_invariant": self.model.batch_invariant,
+                "batch_invariant": self.model.batch_invariant, "shape": self.shape[0] if self.shape else None,
+                "num_slots": self.args.num_slots,
                 "threads": torch.get_num_threads(), "cores": cpu_cores(), "load_average": round(load, 2),
                 "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 
@@ -549,6 +665,7 @@ def bench_command(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     console, status = Console(), Status()
     setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
+    setup.backend.runtime.reset_peak_memory()
     rows, kv_bytes = [], {}
     with status.progress() as progress:
         for batch in args.batch_sizes:
@@ -560,16 +677,21 @@ def bench_command(args: argparse.Namespace) -> int:
                 kv_bytes[batch] = engine.kv.nbytes
                 label = f"B={batch} {name}{'' if overlap else ' -ovl'}"
                 res = run_prompts(engine, setup.tokenizer, workload, params, progress, label)
-                rows.append({"batch": batch, "run": name, "tree_size": engine.tree_size, "policy": policy,
-                             "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.tree_size, 0),
-                             "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
-                             "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]})
+                row = {"batch": batch, "run": name, "tree_size": engine.tree_size, "policy": policy,
+                       "overlap": overlap, "steps_with_d": engine.policy.chosen.get(engine.tree_size, 0),
+                       "steps_by_tree_size": {str(n): c for n, c in engine.policy.chosen.items()},
+                       "totals": res.totals.model_dump(), "token_ids": [r.token_ids for r in res.requests]}
+                # Against tok/s with the prefill: at batch 1 the requests run one after another, and
+                # decode tok/s counts only the time after the last one's first token.
+                limit = {} if speculative else setup.streaming_limit(batch, res.totals.tokens_per_s)
+                rows.append(row | limit)
                 del engine
     _add_ratios(rows)
     console.print(_bench_speed_table(rows, args.tree_size))
     console.print(_bench_step_table(rows))
-    payload = {"setup": setup.describe(), "max_new_tokens": args.max_new_tokens, "runs": rows,
-               "kv_cache_bytes": kv_bytes, "peak_rss_bytes": _peak_rss_bytes()}
+    payload = {"setup": setup.describe(), "shape": setup.shape_report, "max_new_tokens": args.max_new_tokens,
+               "runs": rows, "kv_cache_bytes": kv_bytes, "peak_rss_bytes": _peak_rss_bytes(),
+               "peak_device_memory_bytes": setup.backend.runtime.peak_memory()}
     _write_json(args.json, payload)
     console.print(f"KV cache {max(kv_bytes.values()) / 2**20:.0f} MiB; peak RSS "
                   f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB; wrote {args.json}")
@@ -597,14 +719,20 @@ def _bench_table(title: str, headers: tuple[str, ...]) -> Table:
 
 
 def _bench_speed_table(rows: list[dict], tree_size: int) -> Table:
+    """Speeds; with ``--shape`` on an accelerator, the weight-streaming limit and the share of it
+    plain runs reached (prefill included) beside them."""
+    limits = any("limit_tokens_per_s" in r for r in rows)
     table = _bench_table(f"ngram-hal bench: speed (spec: D={tree_size}; speedup against plain decoding without "
                          "overlap, same batch)",
-                         ("tok/s", "tokens\n/verify", "speedup", "overlap\ngain", "same\ntokens"))
+                         ("tok/s", "tokens\n/verify", "speedup", "overlap\ngain", "same\ntokens")
+                         + (("limit\ntok/s", "of\nlimit") if limits else ()))
     for r in rows:
         t, gain = r["totals"], r.get("overlap_gain")
+        limit = ((f"{r['limit_tokens_per_s']:.0f}", f"{r['fraction_of_limit']:.0%}") if "limit_tokens_per_s" in r
+                 else ("", "")) if limits else ()
         table.add_row(str(r["batch"]), r["run"], "on" if r["overlap"] else "off", f"{t['tokens_per_s']:.1f}",
                       f"{t['tokens_per_verify_step']:.2f}", f"{r['speedup_vs_plain']:.2f}x",
-                      f"{gain:.2f}x" if gain else "", "yes" if r["same_tokens_as_plain"] else "no")
+                      f"{gain:.2f}x" if gain else "", "yes" if r["same_tokens_as_plain"] else "no", *limit)
     return table
 
 

@@ -174,6 +174,13 @@ def _rope_factors(reader: gguf.GGUFReader, arch: str, head_dim: int, path: Path)
     return tuple(float(v) * linear for v in values)
 
 
+def read_model_config(path: str | os.PathLike | None = None) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a GGUF file (default: :func:`find_model_file`'s), read from its
+    metadata without loading a weight."""
+    path = find_model_file(path)
+    return read_config(gguf.GGUFReader(path), path)
+
+
 def read_tokenizer_metadata(reader: gguf.GGUFReader, path: Path) -> TokenizerMetadata:
     """The ``tokenizer.*`` metadata of the file."""
     return TokenizerMetadata(

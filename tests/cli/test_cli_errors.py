@@ -74,6 +74,13 @@ MORE_CASES = {
     "unusable-device": (["run", "--device", "cuda:99"], r"--device cuda:99: cannot allocate there"),
     "bad-batch-sizes": (["bench", "--batch-sizes", "1,x"], r"argument --batch-sizes: 'x': input should be a valid "
                                                           r"integer"),
+    "unknown-shape": (["bench", "--shape", "llama-3b"], r"--shape: shape 'llama-3b': neither a preset \(smollm2-135m, "
+                                                        r"llama-1b, llama-8b, llama-70b-slice\) nor a JSON file"),
+    "kv-fraction-zero": (["run", "--kv-fraction", "0"], r"argument --kv-fraction: '0': input should be greater than 0"),
+    "kv-fraction-and-slots": (["run", "--kv-fraction", "0.5", "--num-slots", "4096"],
+                              r"--num-slots 4096 and --kv-fraction 0.5: give one of them"),
+    "kv-fraction-on-the-host": (["run", "--backend", "cpu", "--kv-fraction", "0.5"],
+                                r"--kv-fraction 0.5: the host device does not report its free memory; give --num-slots"),
     "conformance-unavailable-backend": (["conformance", "--backend", "npu"], r"--backend npu: .*not available here"),
     "conformance-missing-xfails": (["conformance", "--backend", "cpu", "--xfails", "/no/such/xfails.txt"],
                                    r"--xfails /no/such/xfails.txt: no such file"),

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from ngram_hal.cli import main
-from ngram_hal.cli.run import busy_note, choose_threads, summary_line
+from ngram_hal.cli import CommandError
+from ngram_hal.cli.run import DEFAULT_NUM_SLOTS, busy_note, choose_threads, kv_cache_slots, summary_line
+from ngram_hal.engine.shapes import PRESETS, kv_bytes, parameter_bytes
 from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.workload import (PromptSpec, RequestRecord, RunResult, RunTotals, bundled_prompts,
                                        cap_new_tokens, load_prompts)
@@ -143,6 +145,59 @@ def test_bench_command_tables_fit_80_columns(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "spec-auto" in printed and "overlap" in printed
     assert all(len(line) <= 80 for line in printed.splitlines()) and "…" not in printed
+
+
+TINY_SHAPE = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "head_dim": 16}
+"""A shape whose vocabulary holds the bundled tokenizer's ids, small enough for a CPU test."""
+
+
+def test_bench_shape_runs_random_weights_of_that_shape(tmp_path):
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps(TINY_SHAPE))
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Count: 1 2 3 4"}]}) + "\n")
+    bench = tmp_path / "bench.json"
+    assert main(["bench", "--backend", "cpu", "--shape", str(shape), "--prompts", str(prompts), "--batch-sizes", "1",
+                 "--max-new-tokens", "3", "--threads", "1", "--json", str(bench)]) == 0
+    data = json.loads(bench.read_text())
+    assert data["setup"]["shape"] == "tiny" and data["setup"]["num_slots"] == DEFAULT_NUM_SLOTS
+    assert data["shape"]["config"] | TINY_SHAPE == data["shape"]["config"]
+    from ngram_hal.engine.config import LlamaConfig
+
+    assert data["shape"]["parameter_bytes"] == parameter_bytes(LlamaConfig(**TINY_SHAPE), torch.float32)
+    assert data["shape"]["copy_bandwidth_bytes_per_s"] is None, "no weight-streaming limit on the host"
+    assert all("limit_tokens_per_s" not in r for r in data["runs"])
+    assert all(r["same_tokens_as_plain"] for r in data["runs"])
+
+
+def test_a_shape_smaller_than_the_tokenizer_is_refused(tmp_path, capsys):
+    shape = tmp_path / "small.json"
+    shape.write_text(json.dumps(TINY_SHAPE | {"vocab_size": 1000}))
+    assert main(["bench", "--backend", "cpu", "--shape", str(shape), "--batch-sizes", "1"]) == 2
+    assert re.search(r"--shape small: vocab_size 1000 is smaller than the model file's tokenizer \(49152 tokens\)",
+                     capsys.readouterr().err)
+
+
+def test_kv_cache_slots_from_the_free_memory():
+    import argparse
+
+    config, dtype = PRESETS["llama-8b"], torch.bfloat16
+    weights, per_slot = parameter_bytes(config, dtype), kv_bytes(config, dtype, 0)
+    free = weights + 10_000 * per_slot
+    args = argparse.Namespace(num_slots=None, kv_fraction=1.0, device="cuda")
+    assert kv_cache_slots(args, "llama-8b", config, dtype, free) == 10_000 - 1  # the scratch slot's row
+    args.kv_fraction = 0.5
+    assert kv_cache_slots(args, "llama-8b", config, dtype, 2 * weights) == int(0.5 * weights) // per_slot - 1
+    with pytest.raises(CommandError, match=r"--kv-fraction 0.5: llama-8b's 16.06 GB of weights leave no room"):
+        kv_cache_slots(args, "llama-8b", config, dtype, weights)
+    args = argparse.Namespace(num_slots=None, kv_fraction=None)
+    assert kv_cache_slots(args, "llama-8b", config, dtype, None) == DEFAULT_NUM_SLOTS
+    assert kv_cache_slots(args, "llama-8b", config, dtype, 2 * weights) == DEFAULT_NUM_SLOTS
+    args.num_slots = 20_000
+    with pytest.raises(CommandError, match=r"--num-slots 20000: shape llama-8b: 16.06 GB of bfloat16 weights and "
+                                           r"2.62 GB of KV cache \(20000 slots\) need more than"):
+        kv_cache_slots(args, "llama-8b", config, dtype, free)
 
 
 def test_defaults_follow_the_device():

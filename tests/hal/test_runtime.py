@@ -53,3 +53,12 @@ def test_hardware_names_the_host_processor():
 def test_free_memory_is_unknown_on_the_host():
     """The host's free memory is no device figure: None, so memory checks are skipped there."""
     assert Runtime("cpu").free_memory() is None
+
+
+def test_peak_memory_and_copy_bandwidth_on_the_host():
+    """The host keeps no allocation peak (None, and resetting it does nothing); a copy's bandwidth
+    is measured anywhere."""
+    runtime = Runtime("cpu")
+    runtime.reset_peak_memory()
+    assert runtime.peak_memory() is None
+    assert runtime.copy_bandwidth(1 << 20, repeats=3) > 0

@@ -22,8 +22,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
+from . import collectives
 from . import contract as c
 from .declarations import declarations, declare, declare_builder
 from .layout import AttentionLayout
@@ -52,6 +54,8 @@ class Capabilities(BaseModel):
     graph_capture: bool = False
     page_sizes: list[int] | None = None
     kv_dtypes: list[str]
+    collectives: str | None = None
+    """The ``torch.distributed`` backend of :meth:`Backend.collective_backend`, or None."""
 
 
 class Backend:
@@ -90,7 +94,8 @@ class Backend:
         return [op for op in OPS if callable(getattr(cls, "_" + op, None))]
 
     def capabilities(self) -> Capabilities:
-        """Ops implemented, device, proxy flag, warp width, graph capture, page sizes, KV dtypes."""
+        """Ops implemented, device, proxy flag, warp width, graph capture, page sizes, KV dtypes,
+        the ``torch.distributed`` backend of its collectives."""
         return Capabilities(
             name=self.name,
             ops=self.implemented_ops(),
@@ -100,6 +105,7 @@ class Backend:
             graph_capture=self.runtime.graph_capture,
             page_sizes=self.page_sizes,
             kv_dtypes=[str(d).removeprefix("torch.") for d in self.kv_dtypes],
+            collectives=self.collective_backend(),
         )
 
     def _impl(self, op: str):
@@ -135,6 +141,43 @@ class Backend:
     def synchronize(self) -> None:
         """Block the host until the device is idle."""
         self.runtime.synchronize()
+
+    # ---------------------------------------------------------------- collectives
+
+    def collective_backend(self) -> str | None:
+        """The ``torch.distributed`` backend that moves this backend's tensors between ranks
+        (:func:`~ngram_hal.collectives.device_group_backend` of its device by default: ``gloo`` on
+        the CPU, ``nccl`` on CUDA and ROCm); None where there is none. A backend whose vendor
+        library registers under another name overrides this."""
+        return collectives.device_group_backend(self.device)
+
+    def _group_tensor(self, what: str, t: torch.Tensor) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{what}: no process group (ngram_hal.collectives.init_group or launch makes one)")
+        c.check_tensor(what, "tensor", t, self.device)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (any shape and dtype, on this backend's device) over the ranks of the process
+        group, in place on every rank, in the order of the current stream; returns ``t``."""
+        self._group_tensor("all_reduce", t)
+        dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (the same shape ``[n, ...]`` and dtype on every rank), concatenated in
+        rank order along dim 0: ``[world_size * n, ...]``, the same on every rank."""
+        self._group_tensor("all_gather", t)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``t`` copied into ``t`` on every rank, in place; returns ``t``."""
+        self._group_tensor("broadcast", t)
+        if not 0 <= src < dist.get_world_size():
+            raise ValueError(f"broadcast: src {src} outside the group's ranks [0, {dist.get_world_size()})")
+        dist.broadcast(t, src)
+        return t
 
     # ---------------------------------------------------------------- allocation
 

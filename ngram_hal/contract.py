@@ -84,6 +84,11 @@ def _place(op: str, name: str, t: torch.Tensor, device: torch.device, output: bo
         raise ContractError(op, name, "expected a contiguous tensor", output)
 
 
+def check_tensor(op: str, name: str, t, device: torch.device) -> None:
+    """A contiguous tensor of any dtype and shape on ``device``."""
+    _place(op, name, _tensor(op, name, t, False), device, False)
+
+
 def check_index(op: str, name: str, t, device: torch.device, ndim: int | None = None,
                 shape: Sequence[int | None] | None = None, output: bool = False) -> torch.Tensor:
     """An index-like tensor: int64, contiguous, on ``device``, of the given rank/shape.

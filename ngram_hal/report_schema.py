@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 REPORT_SCHEMA = "ngram-hal-conformance/1"
 """The ``schema`` field of every report of this layout."""
 
-TIERS: tuple[str, ...] = ("registration", "contract", "semantics", "scale", "edge", "model", "engine", "performance")
+TIERS: tuple[str, ...] = ("registration", "contract", "semantics", "scale", "edge", "model", "engine", "collectives",
+                          "performance")
 """The conformance tiers, in the order a backend usually clears them."""
 
 Outcome = Literal["passed", "failed", "skipped", "xfailed", "xpassed", "error"]

@@ -71,6 +71,14 @@ def streamed_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     return (total + config.hidden_size) * dtype.itemsize
 
 
+def tensor_parallel_bytes(config: LlamaConfig, dtype: torch.dtype, rows: int) -> int:
+    """Bytes each rank hands to the all-reduces of one forward of ``rows`` rows split by tensor
+    parallelism: one after the output projection and one after the down projection of every layer,
+    ``rows x hidden_size`` each. A ring all-reduce over N ranks sends (and receives) 2 (N - 1) / N
+    of that per rank."""
+    return 2 * config.num_layers * rows * config.hidden_size * dtype.itemsize
+
+
 def kv_bytes(config: LlamaConfig, dtype: torch.dtype, num_slots: int) -> int:
     """Bytes of a KV cache of ``num_slots`` slots (K and V, every layer, the scratch slot included)."""
     return 2 * config.num_layers * (num_slots + 1) * config.num_kv_heads * config.head_dim * dtype.itemsize

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ngram_hal.engine.model import LlamaModel, random_weights
-from ngram_hal.engine.shapes import PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes
+from ngram_hal.engine.shapes import (PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes,
+                                    tensor_parallel_bytes)
 from ngram_hal.reference import CpuBackend
 
 
@@ -60,3 +61,10 @@ def test_random_weights_are_made_in_the_dtype_asked_for_and_seeded():
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, b[n]) for n, t in a.items())
     model = LlamaModel(tiny, a, CpuBackend(), torch.bfloat16)
     assert model.dtype == torch.bfloat16
+
+
+def test_tensor_parallel_bytes_per_token():
+    """Two all-reduces of a hidden-wide bf16 row per layer: 512 KiB a token at 8B, 2.5 MiB at 70B's 80 layers."""
+    assert tensor_parallel_bytes(PRESETS["llama-8b"], torch.bfloat16, 1) == 2 * 32 * 4096 * 2 == 512 * 2**10
+    full_70b = PRESETS["llama-70b-slice"].model_copy(update={"num_layers": 80})
+    assert tensor_parallel_bytes(full_70b, torch.bfloat16, 16) == 16 * 2.5 * 2**20

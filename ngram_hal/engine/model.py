@@ -120,10 +120,13 @@ class LlamaModel:
         batch_invariant: compute every projection with one fixed tiling whatever the number of rows
             (:mod:`ngram_hal.kernels.gpu.matmul`), so that a row's logits do not depend on its batch;
             needs a backend whose model kernels are Triton.
+        tensor_parallel: the ranks of the process group this model is one shard of
+            (:mod:`ngram_hal.engine.tensor_parallel`); its row-parallel products are all-reduced and
+            its vocabulary shards of logits all-gathered through the backend's collectives.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 dtype: torch.dtype | None = None, batch_invariant: bool = False):
+                 dtype: torch.dtype | None = None, batch_invariant: bool = False, tensor_parallel: int = 1):
         if dtype is None:
             dtype = default_dtype(backend.device)
         missing = [n for n in _required_weights(config) if n not in weights]
@@ -138,6 +141,7 @@ class LlamaModel:
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
         self.batch_invariant = batch_invariant
+        self.tensor_parallel = tensor_parallel
         self.kernels = backend.layer_kernels(config, dtype, batch_invariant)
 
         def w(name: str) -> torch.Tensor:
@@ -220,10 +224,22 @@ class LlamaModel:
             q = kernels.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, batch.tree_mask, max_kv_len, layout)
-            delta = kernels.linear_add(o.reshape(N, q_size), layer.wo, x)
+            delta = self._row_parallel(o.reshape(N, q_size), layer.wo, x)
             h = kernels.norm_swiglu(x, layer.mlp_norm, layer.w_gate_up, delta)
-            delta = kernels.linear_add(h, layer.w_down, x)
+            delta = self._row_parallel(h, layer.w_down, x)
         h = kernels.norm(x, self.norm, delta)
         if batch.logits_index is not None:
             h = h.index_select(0, batch.logits_index)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.tensor_parallel == 1:
+            return logits
+        # Every rank's vocabulary shard, in rank order: [N, V / tp] -> [N, V].
+        parts = self.backend.all_gather(logits.contiguous())
+        return parts.view(self.tensor_parallel, *logits.shape).transpose(0, 1).reshape(logits.shape[0], -1)
+
+    def _row_parallel(self, y: torch.Tensor, linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The residual branch's last product of ``y``: as the kernels fuse it with the residual
+        add on one device; under tensor parallelism each rank's partial sum, all-reduced."""
+        if self.tensor_parallel == 1:
+            return self.kernels.linear_add(y, linear, x)
+        return self.backend.all_reduce(linear(y))

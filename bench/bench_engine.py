@@ -67,8 +67,8 @@ from common import (error_text, make_console, make_table, peak_rss_bytes,  # noq
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
-from ngram_hal.cli.run import (Setup, add_model_arguments, add_shape_argument, check_tree_room,  # noqa: E402
-                               int_list, prompt_specs)
+from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, Setup, add_model_arguments, add_shape_argument,  # noqa: E402
+                               check_tree_room, int_list, prompt_specs)
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
 from ngram_hal.options import POSITIVE_INT  # noqa: E402
@@ -160,7 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --tree-sizes: {min(args.tree_sizes)}: a speculative tree has at least 2 nodes")
     # What Setup reads besides the options above: one model, in the default mode; the trie drafter
     # (where a run names no other).
-    args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", 16384
+    args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", DEFAULT_NUM_SLOTS
     return args
 
 

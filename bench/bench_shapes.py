@@ -43,7 +43,8 @@ from ngram_hal.engine.config import EngineConfig  # noqa: E402
 from ngram_hal.engine.engine import Engine  # noqa: E402
 from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
-from ngram_hal.engine.shapes import check_fits, load_shape, parameter_bytes, streamed_bytes  # noqa: E402
+from ngram_hal.engine.shapes import (check_fits, load_shape, parameter_bytes, streamed_bytes,  # noqa: E402
+                                    streaming_limit)
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
 from ngram_hal.kernels.triton.products import table_for  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
@@ -116,8 +117,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 if tree_size == 1:
                     plain_ms = ms
                     if bandwidth:
-                        row["limit_tokens_per_s"] = batch * bandwidth / streamed
-                        row["fraction_of_limit"] = row["decode_tokens_per_s"] / row["limit_tokens_per_s"]
+                        row |= streaming_limit(streamed, bandwidth, batch, row["decode_tokens_per_s"])
                 else:
                     row["step_vs_plain"] = ms / plain_ms
                 rows.append(row)

@@ -37,7 +37,8 @@ from ..engine.gguf_loader import find_model_file, read_model_config
 from ..engine.progress import Status
 from ..engine.request import SamplingParams
 from ..engine.scheduler import pages_of, request_room
-from ..engine.shapes import PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes
+from ..engine.shapes import (PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes,
+                             streaming_limit)
 from ..engine.tokenizer import Tokenizer
 from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
 
@@ -470,8 +471,7 @@ class Setup:
         shape = self.shape_report
         if not shape or not shape["copy_bandwidth_bytes_per_s"]:
             return {}
-        limit = batch * shape["copy_bandwidth_bytes_per_s"] / shape["streamed_bytes"]
-        return {"limit_tokens_per_s": limit, "fraction_of_limit": tokens_per_s / limit}
+        return streaming_limit(shape["streamed_bytes"], shape["copy_bandwidth_bytes_per_s"], batch, tokens_per_s)
 
     def engine(self, tree_size: int, overlap: bool, batch_size: int, policy: str = "always",
                graphs: bool | None = None, num_slots: int | None = None, model=None, drafter: str | None = None):

@@ -71,6 +71,14 @@ def streamed_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     return (total + config.hidden_size) * dtype.itemsize
 
 
+def streaming_limit(streamed: int, bandwidth: float, batch: int, tokens_per_s: float) -> dict[str, float]:
+    """The weight-streaming limit of plain decoding at ``batch`` requests a step (``batch *
+    bandwidth / streamed``: every step reads the ``streamed`` bytes of weights once, at the copy
+    ``bandwidth`` in bytes per second) and the share of it that ``tokens_per_s`` reached."""
+    limit = batch * bandwidth / streamed
+    return {"limit_tokens_per_s": limit, "fraction_of_limit": tokens_per_s / limit}
+
+
 def tensor_parallel_bytes(config: LlamaConfig, dtype: torch.dtype, rows: int) -> int:
     """Bytes each rank hands to the all-reduces of one forward of ``rows`` rows split by tensor
     parallelism: one after the output projection and one after the down projection of every layer,

@@ -88,16 +88,15 @@ class OverlapLoop:
         return outputs
 
     def _drafts_next(self) -> bool:
-        """Whether the next step may need the previous one's tokens on the host: a speculative
-        step drafted on the host drafts from them, and admission waits for the requests they
-        finish. A step the policy runs with one node (a plain decode step) does not, so it
-        overlaps like one."""
-        if self.tree_size == 1:
+        """Whether the next step needs the previous one's tokens on the host: a speculative step
+        drafted on the host drafts from them. A step drafted on the device, or one the policy runs
+        with one node (a plain decode step), does not, so it overlaps like a plain one; so does
+        admission, which, as without speculation, sees the seats and slots a step frees one turn
+        later (a request that finished in the step in flight costs the next step one row)."""
+        if self.tree_size == 1 or self.drafts.ahead or self._drafter_busy():
             return False
-        if self.sched.waiting or not self.sched.running:
+        if not self.sched.running:
             return True
-        if self.drafts.ahead or self._drafter_busy():
-            return False
         return self.policy.peek(*self.policy.batch(self.sched.running)) > 1
 
     def _drafter_busy(self) -> bool:

@@ -513,6 +513,20 @@ def test_device_drafts_overlap_every_step(model, prompts, reference, policy):
         assert engine.stats.tokens_per_step > 1.2
 
 
+@pytest.mark.parametrize("tree_size", [1, 8])
+def test_admission_does_not_wait_for_the_step_in_flight(model, prompts, reference, tree_size):
+    """Requests waiting for a seat do not take the overlap away: with two seats for four
+    requests, every speculative step drafted on the device is launched before the host waits for
+    the one before it, as plain steps are, and the tokens are the reference's."""
+    engine = make(model, tree_size=tree_size, overlap=True, drafter="device", max_running=2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert_all_free(engine)
+    stats = engine.stats
+    assert stats.prefill_steps >= 2, "later requests were admitted as seats freed"
+    assert stats.critical_decodes <= 1, "only the last decode step's tokens may be waited for"
+
+
 def test_device_drafts_sample_and_mix_with_greedy(model, prompts, reference):
     params = [SamplingParams(temperature=1.0, seed=11, max_new_tokens=32), SamplingParams(max_new_tokens=48)]
     first = make(model, tree_size=8, drafter="device").generate(prompts[:2], params)

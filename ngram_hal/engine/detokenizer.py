@@ -14,10 +14,10 @@ class TokenDecoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Decodes one token at a time, holding text back while it ends in an incomplete character.
+    """Decodes tokens as they come, holding text back while it ends in an incomplete character.
 
     Byte-level BPE tokens do not always decode on their own (a multi-byte character can span
-    tokens, and a token's leading space depends on its neighbour), so each step decodes a short
+    tokens, and a token's leading space depends on its neighbour), so each push decodes a short
     window: the tokens from ``prefix`` on, and reports what that adds beyond the window's
     already-reported part ``prefix:read``.
     """
@@ -31,7 +31,14 @@ class IncrementalDetokenizer:
 
     def push(self, token: int) -> str:
         """Append ``token``; return the text it makes final (possibly empty)."""
-        self.ids.append(token)
+        return self.extend((token,))
+
+    def extend(self, tokens) -> str:
+        """Append ``tokens`` (ints) at once, decoding the window once rather than once per token;
+        return the text they make final (possibly empty)."""
+        if not tokens:
+            return ""
+        self.ids.extend(tokens)
         decode = self.tokenizer.decode
         known = decode(self.ids[self._prefix:self._read])
         full = decode(self.ids[self._prefix:])

@@ -102,6 +102,8 @@ class Scheduler:
         Each admitted request gets a pool row and slots for its prompt plus ``ahead``.
         """
         admitted: list[Request] = []
+        if not self.waiting:
+            return admitted
         free = self.slots.free_pages - self.outstanding()
         tokens = 0
         while self.waiting and self.pool.available() > len(admitted):

@@ -36,15 +36,24 @@ def check_stop_strings(req: Request) -> None:
     if detok is None:
         return
     stops = req.params.stop
-    longest = max((len(s) for s in stops), default=0)
     ids = req.output_ids
+    if not stops:
+        # No string to find: the new tokens are decoded together (a stop token, the last one
+        # if any, is not text).
+        new = ids[req.checked_tokens:]
+        detok.extend(new[:-1] if new and new[-1] in req.stop_ids else new)
+        req.checked_tokens = len(ids)
+        if req.finished:
+            detok.flush()
+        return
+    longest = max(len(s) for s in stops)
     for i in range(req.checked_tokens, len(ids)):
         token = ids[i]
         if token in req.stop_ids:
             continue
         before = len(detok.text)
         detok.push(token)
-        if not stops or len(detok.text) == before:
+        if len(detok.text) == before:
             continue
         start = max(0, before - longest + 1)
         hits = [p for p in (detok.text.find(s, start) for s in stops) if p >= 0]

@@ -4,6 +4,7 @@ template, and equality with transformers' tokenizer read from the same file."""
 from __future__ import annotations
 
 import importlib.util
+import random
 
 import pytest
 
@@ -89,3 +90,27 @@ def test_partial_character_decodes_to_replacement(tok):
     ids = tok.encode("😀")
     assert len(ids) > 1
     assert tok.decode(ids[:1]) == "\ufffd" and tok.decode(ids) == "😀"
+
+
+def test_tokens_detokenized_together_give_the_text_of_one_at_a_time(tok):
+    """A verify step's run of tokens is decoded at once (no stop strings to find): the text is the
+    one token-by-token pushes give, and the whole decode, multi-byte characters split across
+    tokens included (random ids make many)."""
+    from ngram_hal.engine.detokenizer import IncrementalDetokenizer
+
+    rng = random.Random(0)
+    texts = ["naïve café — «quoted» 日本語 🙂 done", "def f(x):\n    return x  # ✓\n"]
+    outputs = [tok.encode(t) for t in texts] + [[rng.randrange(49152) for _ in range(120)] for _ in range(40)]
+    for ids in outputs:
+        one, runs = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        for t in ids:
+            one.push(t)
+        i = 0
+        while i < len(ids):
+            k = rng.randint(1, 9)
+            runs.extend(ids[i:i + k])
+            assert runs.text == one.text[:len(runs.text)], "text is final once reported"
+            i += k
+        one.flush()
+        runs.flush()
+        assert runs.text == one.text == tok.decode(ids)

@@ -151,9 +151,13 @@ class Backend:
         library registers under another name overrides this."""
         return collectives.device_group_backend(self.device)
 
-    def _group_tensor(self, what: str, t: torch.Tensor) -> None:
+    @staticmethod
+    def _group(what: str) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{what}: no process group (ngram_hal.collectives.init_group or launch makes one)")
+
+    def _group_tensor(self, what: str, t: torch.Tensor) -> None:
+        self._group(what)
         c.check_tensor(what, "tensor", t, self.device)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -170,6 +174,11 @@ class Backend:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, t)
         return torch.cat(parts)
+
+    def collective_rank(self) -> int:
+        """This process's rank in the process group (what :meth:`all_gather` orders by)."""
+        self._group("collective_rank")
+        return dist.get_rank()
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Rank ``src``'s ``t`` copied into ``t`` on every rank, in place; returns ``t``."""

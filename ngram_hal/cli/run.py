@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import resource
 import sys
@@ -28,6 +29,7 @@ from rich.table import Table
 
 from ..backend import OPS
 from ..model_kernels import default_dtype
+from . import parallel
 from .common import CommandError, check_destination, error_line, write_output
 from ..options import FRACTION, POSITIVE_INT, field_type
 from ..registry import ENV_BACKEND, backend_class, get_backend
@@ -40,7 +42,8 @@ from ..engine.scheduler import pages_of, request_room
 from ..engine.shapes import (PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes,
                              streaming_limit)
 from ..engine.tokenizer import Tokenizer
-from ..engine.workload import PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts, run_side_by_side
+from ..engine.workload import (SLICE_S, PromptSpec, RunResult, cap_new_tokens, load_prompts, run_prompts,
+                               run_side_by_side)
 
 DEFAULT_NUM_SLOTS = 16384
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +89,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="KV slots per page of the allocator (default 1)")
     parser.add_argument("--max-context-len", type=field_type(EngineConfig, "max_context_len"), default=2048,
                         help="positions per request (default 2048)")
+    parallel.add_tp_argument(parser)
     parser.add_argument("--threads", type=POSITIVE_INT, default=None,
                         help="CPU threads (default: every core, fewer when the load average shows other work)")
 
@@ -98,9 +102,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                                           "own budget, 128 for a line without one)")
     parser.add_argument("--prompt", metavar="TEXT", default=None, help="one user message to answer")
     parser.add_argument("--no-spec", action="store_true", help="decode without speculation")
-    parser.add_argument("--spec-policy", choices=("always", "auto"), default="auto",
-                        help="auto (default): each step uses 1, 2, 4, ... or D nodes, whichever is measured "
-                             "fastest; always: D nodes")
+    parser.add_argument("--spec-policy", choices=("always", "auto"), default=None,
+                        help="auto (default; always under --tp): each step uses 1, 2, 4, ... or D nodes, whichever "
+                             "is measured fastest; always: D nodes")
     parser.add_argument("--no-overlap", action="store_true", help="process each step before launching the next")
     parser.add_argument("--temperature", type=field_type(SamplingParams, "temperature"), default=0.0,
                         help="0 is greedy (default)")
@@ -414,7 +418,10 @@ class Setup:
         self.copy_bandwidth = runtime.copy_bandwidth(COPY_BYTES) if self.shape and not runtime.is_host else None
         self.weights_dtype = DTYPES[args.dtype] or default_dtype(self.backend.device)
         args.num_slots = kv_cache_slots(args, name, self.config, self.weights_dtype, self.backend.runtime.free_memory())
-        threads, note = choose_threads(args.threads, torch.get_num_threads(), cpu_cores(), os.getloadavg()[0])
+        # Ranks of --tp on the host share its cores.
+        share = getattr(args, "tp", 1) if runtime.is_host else 1
+        threads, note = choose_threads(args.threads, max(1, torch.get_num_threads() // share),
+                                       max(1, cpu_cores() // share), os.getloadavg()[0])
         torch.set_num_threads(threads)
         start = time.perf_counter()
         tokenizer = None
@@ -435,6 +442,9 @@ class Setup:
         status.print(f"loaded {what} in {self.load_s:.1f} s")
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
                      f"{self.dtype}, {threads} thread{'s' if threads > 1 else ''}")
+        world = getattr(args, "tp", 1)
+        if world > 1:
+            status.print(f"tensor parallel: {world} ranks over {self.backend.collective_backend()}, rank 0 prints")
         if note:
             status.print(f"note: {note}")
         self.load_start = os.getloadavg()[0]
@@ -445,11 +455,18 @@ class Setup:
         (seed 0) made on the device; ``batch_invariant`` as
         :meth:`LlamaModel.from_gguf <ngram_hal.engine.model.LlamaModel.from_gguf>` takes it."""
         from ..engine.model import LlamaModel, random_weights
+        from ..engine.tensor_parallel import load_shard, shard
 
-        backend, dtype = self.backend, self.weights_dtype
+        backend, dtype, world = self.backend, self.weights_dtype, getattr(self.args, "tp", 1)
+        rank = getattr(self.args, "tp_rank", 0)
         if self.shape:
-            weights = random_weights(self.config, 0, backend.device, dtype)
-            return LlamaModel(self.config, weights, backend, dtype, batch_invariant)
+            config, weights = self.config, random_weights(self.config, 0, backend.device, dtype)
+            if world > 1:
+                config, weights = shard(config, weights, rank, world)
+            return LlamaModel(config, weights, backend, dtype, batch_invariant,
+                              tensor_parallel=world if world > 1 else None)
+        if world > 1:
+            return load_shard(backend, self.path, dtype, rank, world, batch_invariant)
         return LlamaModel.from_gguf(backend, self.path, dtype, batch_invariant=batch_invariant)
 
     @functools.cached_property
@@ -515,7 +532,7 @@ class Setup:
         load = self.load()
         return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.dtype,
                 "batch_invariant": self.model.batch_invariant, "shape": self.shape[0] if self.shape else None,
-                "num_slots": self.args.num_slots,
+                "num_slots": self.args.num_slots, "tensor_parallel": getattr(self.args, "tp", 1),
                 "threads": torch.get_num_threads(), "cores": cpu_cores(), "load_average": round(load, 2),
                 "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 
@@ -537,6 +554,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Generate for the prompts, print the texts and a summary; with ``--compare`` the speedup too."""
     if args.compare and args.no_spec:
         raise CommandError("--compare compares speculation with plain decoding: drop --no-spec")
+    args.spec_policy = parallel.spec_policy(args)
     specs = prompt_specs(args)
     if args.tree_size is not None:
         check_tree_room(args.tree_size, args.max_context_len)
@@ -544,6 +562,9 @@ def run_command(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens or 128,
                             seed=args.seed if args.temperature > 0 else None)
+    split = _split(run_command, args, specs, params)
+    if split is not None:
+        return split
     console, status = Console(), Status()
     setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
     tree_size = 1 if args.no_spec else args.tree_size
@@ -554,7 +575,9 @@ def run_command(args: argparse.Namespace) -> int:
         runs.append(("plain", setup.engine(1, overlap, args.batch_size)))
     setup.warm_up([engine for _, engine in runs], specs, params, args.batch_size)
     with status.progress() as progress:
-        results = run_side_by_side(runs, setup.tokenizer, specs, params, progress)
+        # Under --tp every rank must run the same steps in the same order: whole runs, not time slices.
+        results = run_side_by_side(runs, setup.tokenizer, specs, params, progress,
+                                   slice_s=math.inf if args.tp > 1 else SLICE_S)
     result = results[0]
     baseline = results[1] if args.compare else None
     same = [a.token_ids == b.token_ids for a, b in zip(result.requests, baseline.requests)] if baseline else None
@@ -576,6 +599,28 @@ def run_command(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"error: request {r.id}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _split(command: Callable[[argparse.Namespace], int], args: argparse.Namespace, specs: Sequence[PromptSpec],
+           params: SamplingParams) -> int | None:
+    """Under ``--tp N``, in the process the user started: the checks that need no weights (the
+    model splits, the devices, every prompt fits), then ``command`` as N ranks
+    (:mod:`ngram_hal.cli.parallel`) and rank 0's exit code. None on one rank, and inside a rank."""
+    if args.tp == 1 or getattr(args, "tp_rank", None) is not None:
+        return None
+    path = model_file(args)
+    name, config = shape_option(args) or (path.name, model_config(path))
+    backend = make_backend(args)
+    group, devices = parallel.check_split(args, backend, config)
+    if args.tree_size is None:
+        args.tree_size = default_tree_size(backend)
+    # Checked as a rank's Setup will check them, on a copy: the ranks size their own caches.
+    checked = argparse.Namespace(**vars(args))
+    dtype = DTYPES[args.dtype] or default_dtype(backend.device)
+    checked.num_slots = kv_cache_slots(checked, name, config, dtype, backend.runtime.free_memory())
+    check_spec_room(Tokenizer.from_gguf(path), specs, checked, params)
+    del backend
+    return parallel.run_ranks(command, args, group, devices)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -663,6 +708,9 @@ def bench_command(args: argparse.Namespace) -> int:
         check_tree_room(args.tree_size, args.max_context_len)
     check_destination("--json", args.json)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    split = _split(bench_command, args, specs, params)
+    if split is not None:
+        return split
     console, status = Console(), Status()
     setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
     setup.backend.runtime.reset_peak_memory()
@@ -672,6 +720,8 @@ def bench_command(args: argparse.Namespace) -> int:
             count = args.requests or max(batch, len(specs))
             workload = [specs[i % len(specs)] for i in range(count)]
             for name, speculative, policy, overlap in BENCH_RUNS:
+                if policy == "auto" and args.tp > 1:
+                    continue  # each rank would choose its own tree sizes (parallel.spec_policy)
                 engine = setup.engine(args.tree_size if speculative else 1, overlap, batch, policy)
                 setup.warm_up([engine], workload, params, batch)
                 kv_bytes[batch] = engine.kv.nbytes
@@ -692,7 +742,8 @@ def bench_command(args: argparse.Namespace) -> int:
     payload = {"setup": setup.describe(), "shape": setup.shape_report, "max_new_tokens": args.max_new_tokens,
                "runs": rows, "kv_cache_bytes": kv_bytes, "peak_rss_bytes": _peak_rss_bytes(),
                "peak_device_memory_bytes": setup.backend.runtime.peak_memory()}
-    _write_json(args.json, payload)
+    if args.json:  # ranks of --tp past the first write nothing
+        _write_json(args.json, payload)
     console.print(f"KV cache {max(kv_bytes.values()) / 2**20:.0f} MiB; peak RSS "
                   f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB; wrote {args.json}")
     setup.warn_if_busy(console)

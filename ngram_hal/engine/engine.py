@@ -67,7 +67,7 @@ class Engine:
         if supported is not None and cfg.page_size not in supported:
             raise ValueError(f"page_size {cfg.page_size}: the '{self.backend.name}' backend's alloc_extend "
                              f"takes pages of {', '.join(map(str, supported))}")
-        if model.tensor_parallel > 1 and cfg.spec_policy == "auto":
+        if model.tensor_parallel is not None and cfg.spec_policy == "auto":
             raise ValueError("spec_policy 'auto' under tensor parallelism: each rank would choose tree sizes from its "
                              "own timings and the ranks would part; use 'always'")
         self.tree_size = cfg.tree_size

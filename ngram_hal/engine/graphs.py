@@ -150,9 +150,9 @@ class GreedyStep:
         """The step over the loaded buffers: ``(accept_tokens[Bp*n], accept_lens[Bp], new_seq_lens[Bp])``."""
         n, r2t = self.tree_size, self.req_to_token
         live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
-        relay, _, _ = verify_step(self.model.backend, lambda batch: self.model.forward(batch, self.kv), self.kv, r2t,
-                                  self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
-                                  live=live)
+        relay, _ = verify_step(self.model.backend, lambda batch: self.model.forward_argmax(batch, self.kv), self.kv,
+                               r2t, self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
+                               live=live)
         if self.drafter is not None:
             self.drafter.draft_next(self.rows, relay, self.count)
         self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)

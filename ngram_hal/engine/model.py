@@ -120,13 +120,16 @@ class LlamaModel:
         batch_invariant: compute every projection with one fixed tiling whatever the number of rows
             (:mod:`ngram_hal.kernels.gpu.matmul`), so that a row's logits do not depend on its batch;
             needs a backend whose model kernels are Triton.
-        tensor_parallel: the ranks of the process group this model is one shard of
-            (:mod:`ngram_hal.engine.tensor_parallel`); its row-parallel products are all-reduced and
-            its vocabulary shards of logits all-gathered through the backend's collectives.
+        tensor_parallel: None for a whole model on one device; else the ranks of the process
+            group this model is one shard of (:mod:`ngram_hal.engine.tensor_parallel`), 1 included:
+            its row-parallel products are all-reduced through the backend's collectives, its
+            vocabulary shards of logits all-gathered by :meth:`forward`, and :meth:`forward_argmax`
+            gathers only each shard's best token and its logit.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 dtype: torch.dtype | None = None, batch_invariant: bool = False, tensor_parallel: int = 1):
+                 dtype: torch.dtype | None = None, batch_invariant: bool = False,
+                 tensor_parallel: int | None = None):
         if dtype is None:
             dtype = default_dtype(backend.device)
         missing = [n for n in _required_weights(config) if n not in weights]
@@ -204,6 +207,32 @@ class LlamaModel:
         Returns:
             float32[K, V] logits of the rows ``batch.logits_index`` (float32[N, V] when None).
         """
+        logits = self._shard_logits(batch, kv)
+        if self.tensor_parallel is None:
+            return logits
+        # Every rank's vocabulary shard, in rank order: [K, V / tp] -> [K, V].
+        parts = self.backend.all_gather(logits.contiguous())
+        return parts.view(self.tensor_parallel, *logits.shape).transpose(0, 1).reshape(logits.shape[0], -1)
+
+    @torch.inference_mode()
+    def forward_argmax(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run the batch as :meth:`forward` does; return the greedy token of each returned row,
+        int64[K] (the lowest of tied ids, as ``argmax`` takes). Under tensor parallelism the logits
+        are not gathered: each rank's shard gives its best logit and token, 2 numbers a row, and
+        the best of the ranks' wins (the lower rank, so the lower id, on a tie)."""
+        logits = self._shard_logits(batch, kv)
+        if self.tensor_parallel is None:
+            return logits.argmax(-1)
+        best, token = logits.max(-1)
+        rank, shard = self.backend.collective_rank(), logits.shape[-1]
+        token = token + rank * shard
+        values = self.backend.all_gather(best.unsqueeze(0).contiguous())
+        tokens = self.backend.all_gather(token.unsqueeze(0).contiguous())
+        return tokens.gather(0, values.argmax(0, keepdim=True)).squeeze(0)
+
+    def _shard_logits(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """float32[K, V / tp]: this rank's vocabulary shard of the returned rows' logits (all of
+        the vocabulary on one device)."""
         self._check(batch)
         cfg, be = self.config, self.backend
         N = batch.input_ids.shape[0]
@@ -230,16 +259,11 @@ class LlamaModel:
         h = kernels.norm(x, self.norm, delta)
         if batch.logits_index is not None:
             h = h.index_select(0, batch.logits_index)
-        logits = self.lm_head(h).float()
-        if self.tensor_parallel == 1:
-            return logits
-        # Every rank's vocabulary shard, in rank order: [N, V / tp] -> [N, V].
-        parts = self.backend.all_gather(logits.contiguous())
-        return parts.view(self.tensor_parallel, *logits.shape).transpose(0, 1).reshape(logits.shape[0], -1)
+        return self.lm_head(h).float()
 
     def _row_parallel(self, y: torch.Tensor, linear, x: torch.Tensor) -> torch.Tensor | None:
         """The residual branch's last product of ``y``: as the kernels fuse it with the residual
         add on one device; under tensor parallelism each rank's partial sum, all-reduced."""
-        if self.tensor_parallel == 1:
+        if self.tensor_parallel is None:
             return self.kernels.linear_add(y, linear, x)
         return self.backend.all_reduce(linear(y))

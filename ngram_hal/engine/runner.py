@@ -62,7 +62,9 @@ class StepRunner:
         out_cache_loc = be.gather_cache_locs(self.sched.req_to_token, rows, torch.zeros_like(lens_dev), lens_dev,
                                              num_tokens=N)
         input_ids = up([t for r in reqs for t in r.prompt_ids])
-        logits = None
+        sampling = SamplingBatch([r.params for r in reqs], 1, up)
+        want_logprobs = any(r.params.logprobs for r in reqs)
+        logits = tokens = None
         if self.graphs is not None and B == 1:
             logits = self.graphs.prefill(input_ids, out_cache_loc, rows)
         if logits is None:
@@ -71,16 +73,17 @@ class StepRunner:
                 out_cache_loc=out_cache_loc, req_to_token=self.sched.req_to_token, req_pool_indices=rows,
                 kv_lens=lens_dev, q_lens=lens_dev, tree_mask=None, max_kv_len=max(lens),
                 logits_index=up([end - 1 for end in accumulate(lens)]))
-            logits = self.model.forward(batch, self.kv)
-        sampling = SamplingBatch([r.params for r in reqs], 1, up)
-        if sampling.all_greedy:
-            tokens = logits.argmax(-1)
-        else:
+            if sampling.all_greedy and not want_logprobs:
+                tokens = self.model.forward_argmax(batch, self.kv)
+            else:
+                logits = self.model.forward(batch, self.kv)
+        if tokens is None:
             # The first new token takes position len(prompt).
-            tokens = sample_from_probs(sampling.probs(logits), positional_uniforms(self._seed_rows(reqs, 1), lens_dev))
+            tokens = (logits.argmax(-1) if sampling.all_greedy else
+                      sample_from_probs(sampling.probs(logits), positional_uniforms(self._seed_rows(reqs, 1), lens_dev)))
         relay = OverlapRelay(tokens, torch.ones(B, dtype=torch.int64, device=self.device), lens_dev, 1)
         self.relay = self.relay.merge(relay)
-        logprobs = token_logprobs(logits, tokens) if any(r.params.logprobs for r in reqs) else None
+        logprobs = token_logprobs(logits, tokens) if want_logprobs else None
         for r, n in zip(reqs, lens):
             r.seq_len = n
             r.inflight += 1
@@ -133,14 +136,22 @@ class StepRunner:
         forward = (partial(self.graphs.forward, tree_size=n) if self.graphs is not None
                    else partial(self.model.forward, kv=self.kv))
         sampling = SamplingBatch([r.params for r in reqs], n, self.transfer.upload)
-        sample = None if sampling.all_greedy else partial(self._sample, sampling, reqs, n)
+        want_logprobs = any(r.params.logprobs for r in reqs)
+        kept: list[torch.Tensor] = []  # the forward's logits, for the log-probabilities
+
+        def from_logits(batch: ForwardBatch) -> torch.Tensor:
+            logits = forward(batch)
+            kept.append(logits)
+            return logits.argmax(-1) if sampling.all_greedy else self._sample(sampling, reqs, n, logits, batch.positions)
+
+        greedy_only = sampling.all_greedy and not want_logprobs and self.graphs is None
+        target = partial(self.model.forward_argmax, kv=self.kv) if greedy_only else from_logits
         q_lens = torch.full((B,), n, dtype=torch.int64, device=self.device)
-        result, logits, out = verify_step(self.backend, forward, self.kv, self.sched.req_to_token,
-                                          trees.tokens.contiguous().view(-1), trees.mask, rows, seq_lens, q_lens, n, max_kv_len,
-                                          sample=sample)
+        result, out = verify_step(self.backend, target, self.kv, self.sched.req_to_token,
+                                  trees.tokens.contiguous().view(-1), trees.mask, rows, seq_lens, q_lens, n, max_kv_len)
         logprobs = None
-        if any(r.params.logprobs for r in reqs):
-            node_lp = token_logprobs(logits, out.predicts)
+        if want_logprobs:
+            node_lp = token_logprobs(kept[0], out.predicts)
             index = out.accept_index.view(-1)
             logprobs = torch.where(index >= 0, node_lp.gather(0, index.clamp(min=0)), 0.0)
         return result, logprobs

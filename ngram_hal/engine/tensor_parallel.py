@@ -72,11 +72,12 @@ def shard(config: LlamaConfig, weights: dict[str, torch.Tensor], rank: int, worl
 
 
 def load_shard(backend: Backend, path: str | os.PathLike | None, dtype: torch.dtype | None, rank: int,
-               world: int) -> LlamaModel:
+               world: int, batch_invariant: bool = False) -> LlamaModel:
     """Rank ``rank``'s shard of the GGUF file ``path`` (default: the bundled model) on ``backend``,
-    in a process group of ``world`` ranks (:func:`ngram_hal.collectives.init_group`)."""
+    in a process group of ``world`` ranks (:func:`ngram_hal.collectives.init_group`);
+    ``batch_invariant`` as :class:`~ngram_hal.engine.model.LlamaModel` takes it."""
     config, weights, tokenizer = load_gguf(path, torch.float32)
     local, part = shard(config, weights, rank, world)
-    model = LlamaModel(local, part, backend, dtype, tensor_parallel=world)
+    model = LlamaModel(local, part, backend, dtype, batch_invariant, tensor_parallel=world)
     model.tokenizer_metadata = tokenizer
     return model

@@ -15,26 +15,25 @@ import torch
 from ..backend import Backend
 from ..kv_cache import KVCache
 from ..speculative.relay import OverlapRelay
-from ..speculative.verify import VerifyOutput, commit, prepare_tree, tree_cache_locs, verify_greedy, verify_tokens
+from ..speculative.verify import VerifyOutput, commit, prepare_tree, tree_cache_locs, verify_tokens
 from .model import ForwardBatch
 
 
-def verify_step(backend: Backend, forward: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
+def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
                 req_to_token: torch.Tensor, tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
                 seq_lens: torch.Tensor, q_lens: torch.Tensor, tree_size: int, max_kv_len: int,
-                live: torch.Tensor | None = None,
-                sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                ) -> tuple[OverlapRelay, torch.Tensor, VerifyOutput]:
-    """Verify B trees of tree size ``tree_size`` (D): ``(relay, logits, out)``.
+                live: torch.Tensor | None = None) -> tuple[OverlapRelay, VerifyOutput]:
+    """Verify B trees of tree size ``tree_size`` (D): ``(relay, out)``.
 
     Args:
-        forward: the target forward, ``ForwardBatch -> float32[B*D, V]`` logits.
+        target: runs the target forward over a ``ForwardBatch`` of the B*D nodes and returns its
+            own token after each node, int64[B*D]: its argmax for greedy verify
+            (:meth:`LlamaModel.forward_argmax <ngram_hal.engine.model.LlamaModel.forward_argmax>`),
+            or the token it samples there (the batch's ``positions`` are the nodes' positions).
         tokens: int64[B*D], each tree's nodes (node 0 the request's last committed token).
         tree_mask: bool[B, D, D]. rows, seq_lens, q_lens: int64[B] (``q_lens`` = D).
         max_kv_len: host int bounding every ``seq_lens + D``.
         live: bool[B*D] or None; nodes of requests not live store no K/V (location -1).
-        sample: None for greedy verify; else ``(logits, positions) -> int64[B*D]``, the target's
-            own token after each node, with ``positions`` int64[B*D] the nodes' positions.
     """
     tree = prepare_tree(backend, tokens, tree_mask, seq_lens)
     locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, tree_size)
@@ -43,9 +42,5 @@ def verify_step(backend: Backend, forward: Callable[[ForwardBatch], torch.Tensor
     batch = ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=req_to_token,
                          req_pool_indices=rows, kv_lens=seq_lens + tree_size, q_lens=q_lens,
                          tree_mask=tree_mask if tree_size > 1 else None, max_kv_len=max_kv_len, logits_index=None)
-    logits = forward(batch)
-    if sample is None:
-        out = verify_greedy(backend, tree, logits)
-    else:
-        out = verify_tokens(backend, tree, sample(logits, tree.positions))
-    return commit(backend, kv, out, locs, req_to_token, rows, seq_lens), logits, out
+    out = verify_tokens(backend, tree, target(batch))
+    return commit(backend, kv, out, locs, req_to_token, rows, seq_lens), out

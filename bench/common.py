@@ -79,10 +79,22 @@ def make_table(title: str, columns: Iterable[str], left: Iterable[str] = ()) -> 
     return table
 
 
+def dumps(value, indent: int = 2, level: int = 0) -> str:
+    """``value`` as JSON, indented, but with each list of plain values (token ids, timings) on one
+    line: a run's token ids take a line a request, not a line a token."""
+    pad, inner = " " * (indent * level), " " * (indent * (level + 1))
+    if isinstance(value, dict) and value:
+        items = (f"{inner}{json.dumps(str(k))}: {dumps(v, indent, level + 1)}" for k, v in value.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        return "[\n" + ",\n".join(inner + dumps(v, indent, level + 1) for v in value) + f"\n{pad}]"
+    return json.dumps(value)
+
+
 def write_json(path: str | Path, report: dict) -> None:
-    """Write ``report`` as indented JSON to ``path``, creating its folder; a reader never sees half
-    a file (:func:`ngram_hal.files.write_atomic`; its ``WriteError`` names the path)."""
-    write_atomic(path, json.dumps(report, indent=2) + "\n")
+    """Write ``report`` as indented JSON (:func:`dumps`) to ``path``, creating its folder; a reader
+    never sees half a file (:func:`ngram_hal.files.write_atomic`; its ``WriteError`` names the path)."""
+    write_atomic(path, dumps(report) + "\n")
 
 
 def write_report(path: str | Path, report: dict, console: Console) -> None:

@@ -199,3 +199,15 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     assert rows[2]["same_tokens_as_plain"] == {"same": 1, "of": 2, "differ": ["b"]}
     assert rows[2]["vs_plain"] == pytest.approx(2000 / 1200) and rows[2]["vs_old"] == pytest.approx(20.0)
     assert "vs_plain" not in rows[-1]
+
+
+def test_reports_keep_lists_of_values_on_one_line(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from common import write_json
+
+    report = {"runs": [{"run": "plain", "token_ids": [[1, 2, 3], [4]], "passes": [1.5, 2.0]}], "empty": {}, "none": []}
+    path = tmp_path / "r.json"
+    write_json(path, report)
+    text = path.read_text()
+    assert json.loads(text) == report
+    assert '"passes": [1.5, 2.0]' in text and "      [1, 2, 3],\n" in text and '"none": []' in text

@@ -418,8 +418,9 @@ class Setup:
         self.copy_bandwidth = runtime.copy_bandwidth(COPY_BYTES) if self.shape and not runtime.is_host else None
         self.weights_dtype = DTYPES[args.dtype] or default_dtype(self.backend.device)
         args.num_slots = kv_cache_slots(args, name, self.config, self.weights_dtype, self.backend.runtime.free_memory())
+        self.world = getattr(args, "tp", 1)  # ranks of --tp; scripts that reuse Setup have no such option
         # Ranks of --tp on the host share its cores.
-        share = getattr(args, "tp", 1) if runtime.is_host else 1
+        share = self.world if runtime.is_host else 1
         threads, note = choose_threads(args.threads, max(1, torch.get_num_threads() // share),
                                        max(1, cpu_cores() // share), os.getloadavg()[0])
         torch.set_num_threads(threads)
@@ -442,9 +443,8 @@ class Setup:
         status.print(f"loaded {what} in {self.load_s:.1f} s")
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
                      f"{self.dtype}, {threads} thread{'s' if threads > 1 else ''}")
-        world = getattr(args, "tp", 1)
-        if world > 1:
-            status.print(f"tensor parallel: {world} ranks over {self.backend.collective_backend()}, rank 0 prints")
+        if self.world > 1:
+            status.print(f"tensor parallel: {self.world} ranks over {self.backend.collective_backend()}, rank 0 prints")
         if note:
             status.print(f"note: {note}")
         self.load_start = os.getloadavg()[0]
@@ -457,7 +457,7 @@ class Setup:
         from ..engine.model import LlamaModel, random_weights
         from ..engine.tensor_parallel import load_shard, shard
 
-        backend, dtype, world = self.backend, self.weights_dtype, getattr(self.args, "tp", 1)
+        backend, dtype, world = self.backend, self.weights_dtype, self.world
         rank = getattr(self.args, "tp_rank", 0)
         if self.shape:
             config, weights = self.config, random_weights(self.config, 0, backend.device, dtype)
@@ -532,7 +532,7 @@ class Setup:
         load = self.load()
         return {"backend": caps.name, "device": caps.device, "proxy": caps.proxy, "dtype": self.dtype,
                 "batch_invariant": self.model.batch_invariant, "shape": self.shape[0] if self.shape else None,
-                "num_slots": self.args.num_slots, "tensor_parallel": getattr(self.args, "tp", 1),
+                "num_slots": self.args.num_slots, "tensor_parallel": self.world,
                 "threads": torch.get_num_threads(), "cores": cpu_cores(), "load_average": round(load, 2),
                 "busy": busy_note(load, cpu_cores()) is not None, "model_load_s": round(self.load_s, 2)}
 

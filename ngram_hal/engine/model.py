@@ -218,17 +218,16 @@ class LlamaModel:
     def forward_argmax(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run the batch as :meth:`forward` does; return the greedy token of each returned row,
         int64[K] (the lowest of tied ids, as ``argmax`` takes). Under tensor parallelism the logits
-        are not gathered: each rank's shard gives its best logit and token, 2 numbers a row, and
-        the best of the ranks' wins (the lower rank, so the lower id, on a tie)."""
+        are not gathered: each rank's shard gives its best logit and token, one all-gather of 2
+        float64 numbers a row (both exact there), and the best of the ranks' wins (the lower rank,
+        so the lower id, on a tie)."""
         logits = self._shard_logits(batch, kv)
         if self.tensor_parallel is None:
             return logits.argmax(-1)
         best, token = logits.max(-1)
-        rank, shard = self.backend.collective_rank(), logits.shape[-1]
-        token = token + rank * shard
-        values = self.backend.all_gather(best.unsqueeze(0).contiguous())
-        tokens = self.backend.all_gather(token.unsqueeze(0).contiguous())
-        return tokens.gather(0, values.argmax(0, keepdim=True)).squeeze(0)
+        token = token + self.backend.collective_rank() * logits.shape[-1]
+        pairs = self.backend.all_gather(torch.stack([best.double(), token.double()]).unsqueeze(0))
+        return pairs[:, 1].gather(0, pairs[:, 0].argmax(0, keepdim=True)).squeeze(0).long()
 
     def _shard_logits(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """float32[K, V / tp]: this rank's vocabulary shard of the returned rows' logits (all of

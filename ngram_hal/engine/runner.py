@@ -144,7 +144,8 @@ class StepRunner:
             kept.append(logits)
             return logits.argmax(-1) if sampling.all_greedy else self._sample(sampling, reqs, n, logits, batch.positions)
 
-        greedy_only = sampling.all_greedy and not want_logprobs and self.graphs is None
+        # (Greedy steps without log-probabilities reach here only where nothing is captured.)
+        greedy_only = sampling.all_greedy and not want_logprobs
         target = partial(self.model.forward_argmax, kv=self.kv) if greedy_only else from_logits
         q_lens = torch.full((B,), n, dtype=torch.int64, device=self.device)
         result, out = verify_step(self.backend, target, self.kv, self.sched.req_to_token,

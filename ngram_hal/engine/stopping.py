@@ -42,28 +42,25 @@ def check_stop_strings(req: Request) -> None:
         # if any, is not text).
         new = ids[req.checked_tokens:]
         detok.extend(new[:-1] if new and new[-1] in req.stop_ids else new)
-        req.checked_tokens = len(ids)
-        if req.finished:
-            detok.flush()
-        return
-    longest = max(len(s) for s in stops)
-    for i in range(req.checked_tokens, len(ids)):
-        token = ids[i]
-        if token in req.stop_ids:
-            continue
-        before = len(detok.text)
-        detok.push(token)
-        if len(detok.text) == before:
-            continue
-        start = max(0, before - longest + 1)
-        hits = [p for p in (detok.text.find(s, start) for s in stops) if p >= 0]
-        if hits:
-            detok.truncate(min(hits))
-            del ids[i + 1:]
-            del req.logprobs[i + 1:]
-            req.checked_tokens = len(ids)
-            req.finish("stop")
-            return
+    else:
+        longest = max(len(s) for s in stops)
+        for i in range(req.checked_tokens, len(ids)):
+            token = ids[i]
+            if token in req.stop_ids:
+                continue
+            before = len(detok.text)
+            detok.push(token)
+            if len(detok.text) == before:
+                continue
+            start = max(0, before - longest + 1)
+            hits = [p for p in (detok.text.find(s, start) for s in stops) if p >= 0]
+            if hits:
+                detok.truncate(min(hits))
+                del ids[i + 1:]
+                del req.logprobs[i + 1:]
+                req.checked_tokens = len(ids)
+                req.finish("stop")
+                return
     req.checked_tokens = len(ids)
     if req.finished:
         detok.flush()

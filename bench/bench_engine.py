@@ -144,6 +144,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-context-len", type=POSITIVE_INT, default=2048,
                         help="positions per request (default 2048)")
     parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="CPU threads (default: as ngram-hal run)")
+    parser.add_argument("--products", choices=("table", "fixed"), default=None,
+                        help="the projections' products: the cuda backend's sweep table for this GPU or the fixed "
+                             "rule (default: the backend's own, the table where it has one)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny matrix for a smoke test: batches 1,2, 3 tokens, D 4, two short prompts")
     parser.add_argument("--json", metavar="PATH", default="reports/bench_engine.json",
@@ -583,13 +586,14 @@ def bench(args: argparse.Namespace) -> int:
     console, status = make_console(), Console(stderr=True, soft_wrap=True)
     setup = Setup(args, status)
     backend, tokenizer = setup.backend, setup.tokenizer
+    products(setup.model, args.products)
     prompt_lens = {s.id: len(tokenizer.encode_chat(s.messages)) for s in specs}
     report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
               "shape": setup.shape_report,
               "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
                           "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
-                          "requests": args.requests, "quick": args.quick},
+                          "requests": args.requests, "quick": args.quick, "products": args.products},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
               "configurations": [dataclasses.asdict(c) for c in configs], "runs": []}
@@ -608,6 +612,7 @@ def bench(args: argparse.Namespace) -> int:
             model, state, reason = setup.model, "ok", None
             if cfg.invariant:
                 invariant = invariant or load_invariant(setup, status)
+                products(invariant[0], args.products)
                 model, state, reason = invariant
             if model is None:
                 row = not_run(cfg, batch, state, reason)
@@ -632,6 +637,17 @@ def bench(args: argparse.Namespace) -> int:
         console.print(f"{failed} of {len(report['runs'])} runs failed (errors in {args.json})", style="red",
                       highlight=False)
     return 1 if failed else 0
+
+
+def products(model, choice: str | None) -> None:
+    """``model``'s Triton products by the backend's sweep table (``table``) or the fixed rule
+    (``fixed``); None leaves them as the backend chose."""
+    launch = getattr(model.kernels, "launch", None) if model is not None else None
+    if choice is not None and launch is not None:
+        table = model.backend.launch.products if choice == "table" else None
+        if choice == "table" and table is None:
+            raise CommandError(f"--products table: the {model.backend.name} backend has no product table for this device")
+        model.kernels.launch = dataclasses.replace(launch, products=table)
 
 
 def load_invariant(setup: Setup, status: Console) -> tuple:

@@ -11,10 +11,13 @@ time per call from a CUDA graph that cycles through copies of the weight (at lea
 more than the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it
 reaches against a device-to-device copy measured in the same run.
 
-``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`):
-the fastest candidate at each row count (the steps apart included), and for the batch-invariant mode
-the one tiling with the least time summed over the row counts, each relative to that count's
-fastest. ``bench/bench_shapes.py --products table,fixed`` runs the engine by the table of its GPU
+``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`),
+keeping the shapes a table already there holds and this run did not sweep: the fastest candidate
+at each row count (the steps apart included) and the fastest fused tiling there; whether every
+fused tiling gave every row the same bits at every row count (each candidate's rows are compared
+with the first tiling's on the most rows), which lets the batch-invariant mode take the fastest
+fused tiling per row count; and the one tiling with the least time summed over the row counts,
+each relative to that count's fastest, for devices where the bits differ. ``bench/bench_shapes.py --products table,fixed`` runs the engine by the table of its GPU
 model (``ngram_hal_cuda/products/``) beside the fixed rule; the backend does not load it by default.
 
     python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
@@ -48,7 +51,7 @@ from ngram_hal_cuda import CudaBackend  # noqa: E402
 SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(16, 32, 128), Tiling(16, 32, 512),
          Tiling(16, 64, 128), Tiling(16, 64, 256), Tiling(16, 32, 256, 4, 4), Tiling(16, 32, 256, 8, 3),
          Tiling(16, 64, 128, 4, 4), Tiling(16, 128, 128, 8, 3), Tiling(32, 64, 128), Tiling(64, 64, 64),
-         Tiling(64, 128, 64, 8, 3))
+         Tiling(64, 128, 64, 8, 3), Tiling(128, 64, 64, 4, 3), Tiling(128, 128, 64, 8, 3))
 """Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`."""
 QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64))
 WEIGHT_BYTES = 256 << 20
@@ -104,8 +107,10 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
         linears = [TritonLinear((0.02 * torch.randn((n, k), generator=gen, device=backend.device)).to(dtype), kernels)
                    for _ in range(copies)]
         out_n = n // 2 if kind == "gate_up" else n
+        x_all = torch.randn((max(args.rows), k), generator=gen, device=backend.device).to(dtype)
+        reference = None
         for rows in args.rows:
-            x = torch.randn((rows, k), generator=gen, device=backend.device).to(dtype)
+            x = x_all[:rows]
             residual = torch.zeros((rows, out_n), dtype=dtype, device=backend.device)
             forced(kernels, base, (n, k), rows, None)
             want = output(kind, kernels, linears[0], x)
@@ -117,6 +122,13 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
                 if err > AGREE:
                     raise SystemExit(f"{name} {kind} rows={rows} {tiling}: differs from the steps apart by {err:.3g} "
                                      "of the largest value")
+                same_bits = None
+                if tiling is not None:
+                    if reference is None:
+                        forced(kernels, base, (n, k), max(args.rows), tiling)
+                        reference = output(kind, kernels, linears[0], x_all)
+                        forced(kernels, base, (n, k), rows, tiling)
+                    same_bits = torch.equal(got, reference[:rows])
                 turn = iter(range(1 << 62))
                 ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual),
                               backend.device, copies, args.replays)
@@ -127,7 +139,7 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
                                  "tiling": None if tiling is None else list(tiling), "us": us,
                                  "weight_gb_per_s": None if us is None else weight_bytes / us / 1e3,
                                  "vs_apart": None if us is None or apart_us is None else apart_us / us,
-                                 "max_rel_diff": err, "weight_copies": copies})
+                                 "max_rel_diff": err, "same_bits": same_bits, "weight_copies": copies})
         console.print(f"{name} {kind} [{n}, {k}]: {len(args.rows)} row counts x {1 + len(sweep)} candidates")
         del linears
     kernels.launch = base
@@ -135,13 +147,17 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
 
 
 def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, source: str) -> ProductTable:
-    """The fastest candidate per weight shape and row count; the invariant tiling per shape."""
+    """The fastest candidate and the fastest fused tiling per weight shape and row count; whether
+    every fused tiling gave every row count the same bits (``same_bits``); the invariant tiling per
+    shape (the least time summed over the row counts, each relative to that count's fastest)."""
     shapes = {}
     for r in results:
         shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], []).append(r)
     choices = []
     for (n, k), by_rows in shapes.items():
         best = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in sorted(by_rows.items())}
+        fastest_fused = {rows: min((r for r in cands if r["tiling"] is not None), key=lambda r: r["us"])
+                         for rows, cands in sorted(by_rows.items())}
         fused = {}
         for rows, cands in by_rows.items():
             for r in cands:
@@ -149,11 +165,25 @@ def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, sour
                     fused.setdefault(tuple(r["tiling"]), 0.0)
                     fused[tuple(r["tiling"])] += r["us"] / best[rows]["us"]
         invariant = min(fused, key=fused.get)
-        choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), by_rows=tuple(
-            RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]))
+        agree = all(r["same_bits"] for cands in by_rows.values() for r in cands if r["tiling"] is not None)
+        choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), tilings_agree=agree, by_rows=tuple(
+            RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]),
+                       fused=Tiling(*fastest_fused[rows]["tiling"]))
             for rows, r in best.items())))
     return ProductTable(device=device_name, dtype=str(dtype).removeprefix("torch."), source=source,
                         shapes=tuple(choices))
+
+
+def keep_others(old: ProductTable, new: ProductTable) -> ProductTable:
+    """``new`` with the shapes of ``old`` (a table of the same device and dtype) that ``new`` did
+    not sweep, and both sources."""
+    if (old.device, old.dtype) != (new.device, new.dtype):
+        raise SystemExit(f"--write-table: the file holds a table for {old.device} {old.dtype}, "
+                         f"this sweep ran on {new.device} {new.dtype}")
+    swept = {(c.n, c.k) for c in new.shapes}
+    kept = tuple(c for c in old.shapes if (c.n, c.k) not in swept)
+    source = new.source if not kept else f"{new.source}; other shapes: {old.source}"
+    return ProductTable(device=new.device, dtype=new.dtype, source=source, shapes=kept + new.shapes)
 
 
 def _fmt(value, spec: str) -> str:
@@ -213,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
               "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
     if args.write_table:
         chosen = choose_table(results, device_name, dtype, source)
+        if Path(args.write_table).exists():
+            chosen = keep_others(ProductTable.load(args.write_table), chosen)
         Path(args.write_table).parent.mkdir(parents=True, exist_ok=True)
         chosen.dump(args.write_table)
         report["table"] = chosen.model_dump(mode="json", by_alias=True)

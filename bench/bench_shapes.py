@@ -13,8 +13,8 @@ Reported per row: decode tok/s, ms per step, and for plain steps the weight-stre
 (``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
 same run) and the fraction of it reached; for verify steps the cost of a step against a plain
 step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
-as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; not the
-default) and by the fixed rule (the default), side by side. ``--transformers`` adds transformers' ``generate`` with a static cache on
+as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; the
+backend's default) and by the fixed rule, side by side. ``--transformers`` adds transformers' ``generate`` with a static cache on
 the same shape (its own random weights), batch 1. Targets from the real-shapes issue are checked
 and printed, never an exit code.
 
@@ -87,15 +87,17 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
     context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
     streamed = streamed_bytes(model.config, model.dtype)
     triton = isinstance(model.kernels, TritonLayerKernels)
-    if not triton and args.products != ["fixed"]:
+    if not triton and args.products not in (None, ["fixed"]):
         raise SystemExit(f"--products {','.join(args.products)}: the {model.backend.name} backend's model kernels "
                          "have no product table")
-    fixed = model.kernels.launch if triton else None
+    own = model.kernels.launch if triton else None
+    fixed = dataclasses.replace(own, products=None) if triton else None
+    modes = args.products or ["table" if own is not None and own.products is not None else "fixed"]
     name_of_device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
-    table = dataclasses.replace(fixed, products=table_for(PRODUCT_TABLES, name_of_device)) if triton else None
+    table = dataclasses.replace(own, products=table_for(PRODUCT_TABLES, name_of_device)) if triton else None
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        for products in args.products:
+        for products in modes:
             if triton:
                 model.kernels.launch = table if products == "table" else fixed
             plain_ms = None
@@ -124,7 +126,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 del engine
                 release_memory(model.device)
     if triton:
-        model.kernels.launch = fixed
+        model.kernels.launch = own
     return rows
 
 
@@ -227,9 +229,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
-    parser.add_argument("--products", type=product_modes, default=["fixed"], metavar="table,fixed",
-                        help="the projections' products: the fixed rule (default), the cuda backend's sweep table for "
-                             "this GPU, or both side by side")
+    parser.add_argument("--products", type=product_modes, default=None, metavar="table,fixed",
+                        help="the projections' products: the cuda backend's sweep table for this GPU, the fixed rule, "
+                             "or both side by side (default: the backend's own, the table where it has one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
     args = parser.parse_args(argv)

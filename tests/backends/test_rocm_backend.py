@@ -50,7 +50,7 @@ def test_interpreted_proxy_takes_no_amd_options(monkeypatch):
     cfg = backend.launch
     assert (cfg.warp_size, cfg.max_num_warps, cfg.kernel_options) == (64, 16, ())
     # Small batches split their keys too, so the proxy runs the decode path's merge kernel.
-    assert (cfg.attn_programs, cfg.attn_min_split) == (64, 16)
+    assert (cfg.attn_programs, cfg.attn_min_split, cfg.attn_invariant_keys) == (64, 16, 16)
     assert type(backend).launch.attn_programs is None
 
 

@@ -142,13 +142,15 @@ def test_invariant_tree_matches_dense(name):
     torch.testing.assert_close(_invariant(_backend(True), a).cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefix", [29, 300], ids=["one-split", "splits-before-the-tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_invariant_tree_rows_equal_decode_of_their_path(dtype):
+def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix):
     """Batch-invariant mode: a tree node's output is bit for bit the decode output of the same query
     once its path (its ancestors, then itself) has been accepted, i.e. moved to the positions right
-    after the prefix, whatever other branches the tree had."""
+    after the prefix, whatever other branches the tree had. With a long prefix the key splits
+    wholly before the tree are read by one tile of all the nodes, the rest node by node."""
     parents = [-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8]
-    D, prefix = len(parents), 29
+    D = len(parents)
     call = attention_call(random.Random("path"), DEVICE, dtype, heads=(6, 2), kv_lens=[prefix + D], q_lens=[D],
                           trees=[parents], extra_cols=8)
     backend = _backend(True)

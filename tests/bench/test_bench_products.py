@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ngram_hal.kernels.triton import interpreting
-from ngram_hal.kernels.triton.products import Tiling, choose
+from ngram_hal.kernels.triton.products import Tiling, choose, choose_invariant
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -48,14 +48,40 @@ def test_a_table_needs_timings(bench_products, tmp_path):
                              str(tmp_path / "r.json")])
 
 
+def _results(times: dict, same_bits: bool = True) -> list[dict]:
+    return [{"n": 8, "k": 4, "rows": rows, "tiling": None if t is None else list(t), "us": us,
+             "same_bits": None if t is None else same_bits}
+            for rows, cands in times.items() for t, us in cands.items()]
+
+
+A, B = (16, 32, 256, 4, 3), (16, 64, 128, 4, 3)
+TIMES = {1: {None: 10.0, A: 5.0, B: 6.0}, 16: {None: 4.0, A: 9.0, B: 6.0}, 64: {None: 8.0, A: 12.0, B: 10.0}}
+
+
 def test_the_table_takes_the_fastest_per_row_count_and_one_invariant_tiling(bench_products):
-    a, b = [16, 32, 256, 4, 3], [16, 64, 128, 4, 3]
-    times = {1: {None: 10.0, tuple(a): 5.0, tuple(b): 6.0}, 16: {None: 4.0, tuple(a): 9.0, tuple(b): 6.0},
-             64: {None: 8.0, tuple(a): 12.0, tuple(b): 10.0}}
-    results = [{"n": 8, "k": 4, "rows": rows, "tiling": None if t is None else list(t), "us": us}
-               for rows, cands in times.items() for t, us in cands.items()]
-    table = bench_products.choose_table(results, "gpu", torch.bfloat16, "test")
+    table = bench_products.choose_table(_results(TIMES), "gpu", torch.bfloat16, "test")
     choice = table.lookup(8, 4)
-    assert [choose(choice, rows) for rows in (1, 16, 64)] == [Tiling(*a), None, None]
-    assert choice.invariant == Tiling(*b), "b: 6/5 + 6/4 + 10/8 against a: 1 + 9/4 + 12/8"
+    assert [choose(choice, rows) for rows in (1, 16, 64)] == [Tiling(*A), None, None]
+    assert choice.invariant == Tiling(*B), "b: 6/5 + 6/4 + 10/8 against a: 1 + 9/4 + 12/8"
     assert table.device == "gpu" and table.dtype == "bfloat16"
+
+
+def test_where_the_tilings_agree_the_invariant_mode_takes_the_fastest_fused_tiling_per_row_count(bench_products):
+    choice = bench_products.choose_table(_results(TIMES), "gpu", torch.bfloat16, "test").lookup(8, 4)
+    assert choice.tilings_agree
+    assert [choose_invariant(choice, rows) for rows in (1, 2, 16, 64, 1000)] == [Tiling(*A)] + [Tiling(*B)] * 4
+    differ = bench_products.choose_table(_results(TIMES, same_bits=False), "gpu", torch.bfloat16, "test").lookup(8, 4)
+    assert not differ.tilings_agree
+    assert {choose_invariant(differ, rows) for rows in (1, 16, 64, 1000)} == {Tiling(*B)}, "one tiling for all"
+
+
+def test_a_new_sweep_keeps_the_shapes_of_the_table_it_did_not_sweep(bench_products):
+    old = bench_products.choose_table(_results(TIMES) + [{**r, "n": 16} for r in _results(TIMES)], "gpu",
+                                      torch.bfloat16, "old run")
+    new = bench_products.choose_table(_results(TIMES, same_bits=False), "gpu", torch.bfloat16, "new run")
+    merged = bench_products.keep_others(old, new)
+    assert not merged.lookup(8, 4).tilings_agree and merged.lookup(16, 4).tilings_agree
+    assert merged.source == "new run; other shapes: old run"
+    other = bench_products.choose_table(_results(TIMES), "another gpu", torch.bfloat16, "x")
+    with pytest.raises(SystemExit, match="holds a table for gpu bfloat16"):
+        bench_products.keep_others(old, other)

@@ -93,10 +93,19 @@ def test_captured_steps_draft_what_eager_steps_draft(backend, prompts, alone):
     assert runs[True][2] > runs[True][1], "the prompts must accept drafts for this test to cover speculation"
 
 
+@pytest.fixture(scope="module")
+def long_prompts(prompts):
+    """Prompts of 200-400 tokens: their keys fill whole attention splits before a verify step's tree."""
+    g = torch.Generator().manual_seed(2)
+    return [p * (400 // len(p)) for p in prompts[:3]] + [torch.randint(0, 512, (300,), generator=g).tolist()]
+
+
 @gpu
+@pytest.mark.parametrize("length", ["short", "long"])
 @pytest.mark.parametrize("drafter", ["linear", "trie", "device"])
-def test_invariant_greedy_speculation_equals_plain(backend, prompts, drafter):
+def test_invariant_greedy_speculation_equals_plain(backend, prompts, long_prompts, drafter, length):
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    prompts = long_prompts if length == "long" else prompts
     _, plain = _run(model, prompts, tree_size=1)
     engine, spec = _run(model, prompts, tree_size=8, drafter=drafter)
     assert engine.stats.tokens_per_step > 1.0, "the prompts must accept drafts for this test to cover speculation"

@@ -19,13 +19,15 @@ import torch
 from ngram_hal.backend import Backend
 from ngram_hal.kernels.triton import LaunchConfig, interpreting
 from ngram_hal.kernels.triton.ops import TritonHalOps
+from ngram_hal.kernels.triton.products import table_for
 from ngram_hal.proxy import ProxyFlag, requested
 
 PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
-# Product tables swept per GPU model (bench/bench_products.py). Not loaded by default: in the engine
-# at the 8B shape the H200 table ran plain decoding at 112 against 208 tok/s by the fixed rule
-# (docs/h200.md), though each product alone was as fast or faster; bench_shapes --products
-# table,fixed loads it beside the fixed rule.
+# Product tables swept per GPU model (bench/bench_products.py); a native device runs by the one of
+# its model, if any: in both modes every row count runs the product the sweep found fastest, and
+# the batch-invariant mode its fastest fused tiling where the sweep found the tilings' bits equal
+# (without a table: the fixed rule, and one tiling for every row count). On the H200 the table's
+# decode steps took 0.85-1.04x the fixed rule's (docs/bench/h200-invariant/).
 PRODUCT_TABLES = Path(__file__).parent / "products"
 
 
@@ -49,7 +51,10 @@ class CudaBackend(TritonHalOps, Backend):
         if self.device.type == "cpu":
             # Interpreted on the CPU: split the keys of small batches too, so that the key-split and
             # merge kernels (the GPU's decode path) run in the proxy's checks.
-            self.launch = replace(self.launch, attn_programs=64, attn_min_split=16)
+            self.launch = replace(self.launch, attn_programs=64, attn_min_split=16, attn_invariant_keys=16)
+        else:
+            table = table_for(PRODUCT_TABLES, torch.cuda.get_device_name(self.device))
+            self.launch = replace(self.launch, products=table)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -80,7 +80,7 @@ class RocmBackend(TritonHalOps, Backend):
         if self.device.type == "cpu":
             # Interpreted: split the keys of small batches too, so that the key-split and merge
             # kernels (the decode path on a GPU) run in the proxy's checks.
-            self.launch = replace(WAVE64, attn_programs=64, attn_min_split=16)
+            self.launch = replace(WAVE64, attn_programs=64, attn_min_split=16, attn_invariant_keys=16)
         elif _native():
             self.launch = hip_launch(torch.cuda.get_device_properties(self.device))
             self.warp_size = self.launch.warp_size

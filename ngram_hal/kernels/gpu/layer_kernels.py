@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
-from ..triton.products import Tiling, choose
+from ..triton.products import Tiling, choose, choose_invariant
 from . import matmul, norm, rotary, swiglu
 
 if TYPE_CHECKING:
@@ -38,11 +38,14 @@ class TritonLayerKernels(TorchLayerKernels):
 
     The rotary kernel reads cos/sin from a table of ``max_positions`` rows built once (positions
     past it are clamped) and writes K/V straight into the cache rows (-1 locs skipped). The
-    norms' weights are folded into the projections after them. Forwards of at most
-    ``backend.launch.fused_linear_rows`` rows run each projection whose weight holds at most
-    ``fused_linear_max_bytes`` as a fused product (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`
-    tiling); with ``batch_invariant`` every forward runs every projection so, in the fixed
-    invariant tiling, and the linear layers are :class:`InvariantLinear`.
+    norms' weights are folded into the projections after them. Each projection runs as the
+    launch's product table chooses for its weight shape and rows; shapes it does not list, by the
+    fixed rule: forwards of at most ``backend.launch.fused_linear_rows`` rows run each projection
+    whose weight holds at most ``fused_linear_max_bytes`` as a fused product
+    (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS` tiling). With ``batch_invariant`` every
+    projection is a fused product: in the table's fastest fused tiling for the rows where its sweep
+    found every tiling's bits equal (:func:`~ngram_hal.kernels.triton.products.choose_invariant`),
+    else in one tiling for every row count.
     """
 
     def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype, batch_invariant: bool = False):
@@ -61,7 +64,7 @@ class TritonLayerKernels(TorchLayerKernels):
         table = self.launch.products
         choice = None if table is None else table.lookup(*weight.shape)
         if self.batch_invariant:
-            return self._matmul.INVARIANT if choice is None else choice.invariant
+            return self._matmul.INVARIANT if choice is None else choose_invariant(choice, rows)
         if choice is not None:
             return choose(choice, rows)
         nbytes = weight.numel() * weight.element_size()

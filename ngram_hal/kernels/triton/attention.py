@@ -277,7 +277,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     min_split = cfg.attn_split_keys(block_n, decode or (tree is not None and not layout.batch_invariant))
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
-        chunk = min_split
+        chunk = cfg.attn_invariant_keys or min_split
     else:
         want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
         splits = 1

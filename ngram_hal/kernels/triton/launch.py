@@ -24,6 +24,10 @@ class LaunchConfig:
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_min_split: fewest keys a split of the keys may hold (None: one step of the key loop
             for decode and tree verify, four otherwise).
+        attn_invariant_keys: keys of every split in the batch-invariant mode, where a query's splits
+            sit at fixed positions whatever the batch (None: four steps of the key loop). Fewer keys
+            a split spread a small batch's keys over more programs; more keys a split merge fewer
+            partial results in a large batch.
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
@@ -77,6 +81,7 @@ class LaunchConfig:
     attn_block_m: int = 64
     attn_programs: int | None = None
     attn_min_split: int | None = None
+    attn_invariant_keys: int | None = 128
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
@@ -122,7 +127,7 @@ class LaunchConfig:
         powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split"):
+            if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split", "attn_invariant_keys"):
                 continue
             if f.name == "fused_linear_rows" and value == 0:
                 continue

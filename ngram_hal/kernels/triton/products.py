@@ -2,8 +2,11 @@
 
 A projection is known by its weight's shape ``[N, K]`` (``[2N, K]`` for a fused gate/up). For a
 forward of ``rows`` rows it runs either the fused Triton product in one :class:`Tiling` or the
-steps apart (the norm kernel, then the vendor BLAS); in the batch-invariant mode it runs one
-tiling for every row count. ``bench/bench_products.py --write-table`` times every candidate for
+steps apart (the norm kernel, then the vendor BLAS). In the batch-invariant mode it runs a fused
+product only: where the sweep found every tiling's rows bit-identical to every other's at every row
+count (``tilings_agree``: on NVIDIA tensor cores each output is the same chain of 16-deep products
+whatever the tile), the fastest fused tiling of the bucket; elsewhere one tiling for every row count.
+``bench/bench_products.py --write-table`` times every candidate for
 the projections of the shapes it is given and writes the fastest as a :class:`ProductTable`; a
 backend loads the table of its device and hands it to the model kernels in its
 :class:`~ngram_hal.kernels.triton.LaunchConfig`. Shapes the table does not list keep the backend's
@@ -50,24 +53,28 @@ def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
 
 
 class RowsChoice(BaseModel):
-    """Forwards of at most ``max_rows`` rows (and more than the previous bucket's) run ``tiling``;
-    None: the steps apart."""
+    """Forwards of at most ``max_rows`` rows (and more than the previous bucket's) run ``tiling``
+    (None: the steps apart); ``fused`` is the fastest fused tiling there (None: not swept)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     max_rows: int = Field(ge=1)
     tiling: Tiling | None
+    fused: Tiling | None = None
 
-    _tiling = field_validator("tiling")(_powers_of_two)
+    _tiling = field_validator("tiling", "fused")(_powers_of_two)
 
 
 class ShapeChoice(BaseModel):
-    """The choices for one weight shape: by row count, and the one tiling of the invariant mode."""
+    """The choices for one weight shape: by row count, and the one tiling of the invariant mode
+    where the tilings' results differ."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     n: int = Field(ge=1, description="rows of the weight (2N for a fused gate/up)")
     k: int = Field(ge=1, description="the reduction length")
     by_rows: tuple[RowsChoice, ...] = Field(min_length=1)
     invariant: Tiling
+    tilings_agree: bool = Field(False, description="every swept tiling gave each row the same bits at every "
+                                                   "row count")
 
     _invariant = field_validator("invariant")(_powers_of_two)
 
@@ -127,6 +134,17 @@ def choose(choice: ShapeChoice, rows: int) -> Tiling | None:
         if rows <= bucket.max_rows:
             return bucket.tiling
     return None
+
+
+def choose_invariant(choice: ShapeChoice, rows: int) -> Tiling:
+    """The batch-invariant mode's tiling for a forward of ``rows`` rows: the bucket's fastest fused
+    tiling where the tilings agree (more rows than the last bucket: the last bucket's), else the
+    shape's one ``invariant`` tiling."""
+    if choice.tilings_agree:
+        bucket = next((b for b in choice.by_rows if rows <= b.max_rows), choice.by_rows[-1])
+        if bucket.fused is not None:
+            return bucket.fused
+    return choice.invariant
 
 
 def table_for(directory: str | Path, device_name: str) -> ProductTable | None:

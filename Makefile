@@ -25,7 +25,7 @@ TORCH_INDEX ?=
 # (non-strict) mode, with fewer hypothesis examples. Its kernels and the strict value checks are
 # the ones the cpu run and the CUDA proxy already cover in full; what this run adds is the ROCm
 # backend's wiring and wave64 launch settings, which every test still exercises.
-ROCM_PROXY_ARGS ?= --strict-mode off --max-examples 6
+ROCM_PROXY_ARGS ?= --strict-mode off --max-examples 10
 # The interpreted CUDA proxy: every test in both strict modes, with 8 hypothesis examples a property
 # test instead of 25 (the cpu run and a GPU's take 25), so that the two interpreted runs stay
 # within 10 minutes on 2 cores.

@@ -3,11 +3,12 @@
 tokens), recorded as report properties and shown in the matrix. Measured, never pass/fail. Each
 op's timed call is registered beside its tests (``cases.timed_call``); attention's are here.
 
-Each op runs once to warm up, then ``REPEATS`` times between two ``synchronize()`` calls:
-``eager_ms`` is the mean. Where ``backend.runtime.graph_capture`` is true the same call is
-captured into a graph and replayed the same way: ``graph_ms`` (``graph_error`` when the op cannot
-be captured, e.g. because it reads device data on the host). The backend is the
-``unchecked_backend`` (``strict=False``): strict value checks would time host syncs.
+Each op runs once to warm up, then ``REPEATS`` times between two ``synchronize()`` calls (once on
+a proxy, whose times are not the device's): ``eager_ms`` is the mean. Where
+``backend.runtime.graph_capture`` is true the same call is captured into a graph and replayed the
+same way: ``graph_ms`` (``graph_error`` when the op cannot be captured, e.g. because it reads
+device data on the host). The backend is the ``unchecked_backend`` (``strict=False``): strict
+value checks would time host syncs.
 """
 
 from __future__ import annotations
@@ -52,22 +53,28 @@ def _attention_workload(kind: str, backend, device) -> tuple[cases.Call, str]:
     return call, what
 
 
-def _mean_ms(runtime, fn) -> float:
-    """Mean milliseconds of ``fn()`` over ``REPEATS`` calls between two synchronizations."""
+def _repeats(backend) -> int:
+    """Timed calls of each op: ``REPEATS``, or one on a proxy."""
+    return 1 if backend.proxy else REPEATS
+
+
+def _mean_ms(backend, fn) -> float:
+    """Mean milliseconds of ``fn()`` over :func:`_repeats` calls between two synchronizations."""
+    runtime, repeats = backend.runtime, _repeats(backend)
     runtime.synchronize()
     start = time.perf_counter()
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         fn()
     runtime.synchronize()
-    return (time.perf_counter() - start) / REPEATS * 1e3
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def _measure(backend, fn, record_property) -> None:
     """Record ``eager_ms`` and, where the runtime captures graphs, ``graph_ms`` (or ``graph_error``)."""
     runtime = backend.runtime
     fn()
-    record_property("eager_ms", round(_mean_ms(runtime, fn), 4))
-    record_property("repeats", REPEATS)
+    record_property("eager_ms", round(_mean_ms(backend, fn), 4))
+    record_property("repeats", _repeats(backend))
     if not runtime.graph_capture:
         return
     try:
@@ -78,7 +85,7 @@ def _measure(backend, fn, record_property) -> None:
         record_property("graph_error", f"{type(exc).__name__}: {exc}"[:300])
         return
     graph.replay()
-    record_property("graph_ms", round(_mean_ms(runtime, graph.replay), 4))
+    record_property("graph_ms", round(_mean_ms(backend, graph.replay), 4))
 
 
 # Every op; attention, whose cost depends on the kind of step, has a test of its own below.
@@ -107,6 +114,6 @@ def test_attention_time(unchecked_backend, device, record_property, kind):
                                                   a["q_lens"], a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
 
     build()
-    record_property("layout_ms", round(_mean_ms(unchecked_backend.runtime, build), 4))
+    record_property("layout_ms", round(_mean_ms(unchecked_backend, build), 4))
     layer = call.replace(layout=build())
     _measure(unchecked_backend, lambda: layer.run(unchecked_backend), record_property)

@@ -17,8 +17,9 @@ at each row count (the steps apart included) and the fastest fused tiling there;
 fused tiling gave every row the same bits at every row count (each candidate's rows are compared
 with the first tiling's on the most rows), which lets the batch-invariant mode take the fastest
 fused tiling per row count; and the one tiling with the least time summed over the row counts,
-each relative to that count's fastest, for devices where the bits differ. ``bench/bench_shapes.py --products table,fixed`` runs the engine by the table of its GPU
-model (``ngram_hal_cuda/products/``) beside the fixed rule; the backend does not load it by default.
+each relative to that count's fastest, for devices where the bits differ. The cuda backend runs
+by the table of its GPU model (``ngram_hal_cuda/products/``); ``bench/bench_shapes.py --products
+table,fixed`` runs the engine by it beside the fixed rule.
 
     python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
         --write-table backends/cuda/ngram_hal_cuda/products/h200.json --json reports/bench_products.json
@@ -108,7 +109,9 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
                    for _ in range(copies)]
         out_n = n // 2 if kind == "gate_up" else n
         x_all = torch.randn((max(args.rows), k), generator=gen, device=backend.device).to(dtype)
-        reference = None
+        # Every fused candidate's rows are compared with the first tiling's on the most rows.
+        forced(kernels, base, (n, k), max(args.rows), sweep[0])
+        reference = output(kind, kernels, linears[0], x_all)
         for rows in args.rows:
             x = x_all[:rows]
             residual = torch.zeros((rows, out_n), dtype=dtype, device=backend.device)
@@ -122,13 +125,7 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
                 if err > AGREE:
                     raise SystemExit(f"{name} {kind} rows={rows} {tiling}: differs from the steps apart by {err:.3g} "
                                      "of the largest value")
-                same_bits = None
-                if tiling is not None:
-                    if reference is None:
-                        forced(kernels, base, (n, k), max(args.rows), tiling)
-                        reference = output(kind, kernels, linears[0], x_all)
-                        forced(kernels, base, (n, k), rows, tiling)
-                    same_bits = torch.equal(got, reference[:rows])
+                same_bits = None if tiling is None else torch.equal(got, reference[:rows])
                 turn = iter(range(1 << 62))
                 ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual),
                               backend.device, copies, args.replays)

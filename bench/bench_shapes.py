@@ -46,10 +46,8 @@ from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.shapes import (check_fits, load_shape, parameter_bytes, streamed_bytes,  # noqa: E402
                                     streaming_limit)
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
-from ngram_hal.kernels.triton.products import table_for  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
-from ngram_hal_cuda.backend import PRODUCT_TABLES  # noqa: E402
 
 def product_modes(text: str) -> list[str]:
     """``table``, ``fixed`` or both, comma separated (argparse type)."""
@@ -90,11 +88,10 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
     if not triton and args.products not in (None, ["fixed"]):
         raise SystemExit(f"--products {','.join(args.products)}: the {model.backend.name} backend's model kernels "
                          "have no product table")
-    own = model.kernels.launch if triton else None
-    fixed = dataclasses.replace(own, products=None) if triton else None
-    modes = args.products or ["table" if own is not None and own.products is not None else "fixed"]
-    name_of_device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
-    table = dataclasses.replace(own, products=table_for(PRODUCT_TABLES, name_of_device)) if triton else None
+    # The backend's own launch holds its GPU's product table, where it has one.
+    table = model.kernels.launch if triton else None
+    fixed = dataclasses.replace(table, products=None) if triton else None
+    modes = args.products or ["table" if table is not None and table.products is not None else "fixed"]
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
         for products in modes:
@@ -126,7 +123,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 del engine
                 release_memory(model.device)
     if triton:
-        model.kernels.launch = own
+        model.kernels.launch = table
     return rows
 
 

@@ -14,7 +14,7 @@ these runs (``--runs`` picks some; D0 is the first of ``--tree-sizes``):
   auto{D0}, auto{D}-device for D in          the auto policy (1, 2, 4, ... or D nodes a step)
     --tree-sizes
   invariant-plain, invariant-spec{D0},       the model loaded again with batch_invariant=True;
-  invariant-spec{D0}-device                  only where the backend runs Triton model kernels
+  invariant-spec{D0}-device                  only where the backend has that mode
 
 Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
 timed on the same engine with a fresh drafter and speculation policy, ``--repeats`` times: the
@@ -652,11 +652,11 @@ def products(model, choice: str | None) -> None:
 
 def load_invariant(setup: Setup, status: Console) -> tuple:
     """``(model, "ok", None)``: the model loaded again with ``batch_invariant=True``; or ``(None,
-    "skipped", why)`` where the backend runs no Triton model kernels, ``(None, "error", why)`` where
+    "skipped", why)`` where the backend has no batch-invariant mode, ``(None, "error", why)`` where
     the load fails (the default-mode runs go on without it)."""
     backend = setup.backend
     if not backend.batch_invariant:
-        return None, "skipped", f"the batch-invariant mode needs Triton model kernels ('{backend.name}' runs torch)"
+        return None, "skipped", f"backend '{backend.name}' has no batch-invariant mode"
     try:
         with status.status("loading the model again, batch-invariant ..."):
             return setup.load_model(batch_invariant=True), "ok", None

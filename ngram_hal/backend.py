@@ -56,6 +56,9 @@ class Capabilities(BaseModel):
     kv_dtypes: list[str]
     collectives: str | None = None
     """The ``torch.distributed`` backend of :meth:`Backend.collective_backend`, or None."""
+    batch_invariant: bool = False
+    """Whether the batch-invariant mode gives a row the same bits whatever shares its call, on
+    this device (:meth:`Backend.invariance_holds`): the conformance suite checks it where claimed."""
 
 
 class Backend:
@@ -73,7 +76,8 @@ class Backend:
     warp_size: ClassVar[int | None] = None
     page_sizes: ClassVar[list[int] | None] = None
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
-    # Whether layer_kernels can give results that do not depend on the rows sharing a call.
+    # Whether layer_kernels and attention offer a mode whose results do not depend on the rows
+    # sharing a call (``batch_invariant=True``).
     batch_invariant: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, strict: bool | None = None):
@@ -106,7 +110,15 @@ class Backend:
             page_sizes=self.page_sizes,
             kv_dtypes=[str(d).removeprefix("torch.") for d in self.kv_dtypes],
             collectives=self.collective_backend(),
+            batch_invariant=self.invariance_holds(),
         )
+
+    def invariance_holds(self) -> bool:
+        """Whether the batch-invariant mode holds bit for bit here: a query's attention output
+        (with ``batch_invariant=True`` and the same ``max_kv_len``) does not depend on the rest of
+        the batch, a tree node's equals the decode of its path once accepted, and a row of
+        ``layer_kernels(..., batch_invariant=True)`` does not depend on the other rows."""
+        return self.batch_invariant
 
     def _impl(self, op: str):
         fn = getattr(self, "_" + op, None)
@@ -127,7 +139,7 @@ class Backend:
         conformance suite's model tier checks against this one. ``batch_invariant`` asks for
         results that do not depend on the rows sharing a call, which plain torch does not promise."""
         if batch_invariant:
-            raise ValueError(f"batch_invariant needs a backend running Triton kernels, not '{self.name}'")
+            raise ValueError(f"backend '{self.name}' has no batch-invariant mode")
         return TorchLayerKernels(config, self, dtype)
 
     def lookup_kernel(self):

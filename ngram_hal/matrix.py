@@ -55,6 +55,16 @@ def collectives_text(report: ConformanceReport) -> str:
     return caps["collectives"] or "none"
 
 
+def invariance_text(report: ConformanceReport) -> str:
+    """Whether the run's backend claims batch invariance (``capabilities().batch_invariant``, which the
+    invariance tests check where claimed): ``yes``, ``no``, or ``?`` for a report made before the
+    capability existed."""
+    caps = report.capabilities or {}
+    if "batch_invariant" not in caps:
+        return "?"
+    return "yes" if caps["batch_invariant"] else "no"
+
+
 def sanitizer_text(report: ConformanceReport) -> str:
     """``"memcheck: 0 errors"`` for a run under compute-sanitizer, ``""`` otherwise."""
     found = report.sanitizer
@@ -188,13 +198,14 @@ def to_markdown(matrix: Matrix) -> str:
     """The matrix as GitHub-flavoured markdown: a table of runs, the test table, then failures."""
     ids = matrix.test_ids
     lines = ["# ngram-hal conformance matrix", "",
-             "| backend | device | hardware | proxy | torch | driver | package | collectives | sanitizer | tests |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| backend | device | hardware | proxy | torch | driver | package | collectives | batch invariant "
+             "| sanitizer | tests |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for col in matrix.columns:
         r = col.report
         fields = [col.label, r.device or "?", hardware_text(r) or "?", "yes" if r.proxy else "no", _version(r, "torch"),
                   _version(r, "driver"), _version(r, "backend_package"), collectives_text(r),
-                  sanitizer_text(r) or "-", summary_text(col.counts(ids))]
+                  invariance_text(r), sanitizer_text(r) or "-", summary_text(col.counts(ids))]
         lines.append("| " + " | ".join(_md(f) for f in fields) + " |")
     header = ["tier", "op", "test"] + [_md(column_header(c)) for c in matrix.columns]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -268,12 +279,12 @@ def to_html(matrix: Matrix, title: str = "ngram-hal conformance matrix") -> str:
            '<p class="legend">' + "".join(f'<span class="{_cls(o)}">{e(o)}</span>' for o in (*OUTCOMES, NOT_RUN))
            + "</p>",
            "<table><thead><tr><th>backend</th><th>device</th><th>hardware</th><th>proxy</th><th>versions</th>"
-           "<th>collectives</th><th>sanitizer</th><th>created</th><th>tests</th></tr></thead><tbody>"]
+           "<th>collectives</th><th>batch invariant</th><th>sanitizer</th><th>created</th><th>tests</th></tr></thead><tbody>"]
     for col in matrix.columns:
         r = col.report
         versions = ", ".join(f"{k} {v}" for k, v in r.versions.model_dump().items() if v)
         fields = [col.label, r.device or "?", hardware_text(r) or "?", "yes" if r.proxy else "no", versions,
-                  collectives_text(r), sanitizer_text(r) or "-"]
+                  collectives_text(r), invariance_text(r), sanitizer_text(r) or "-"]
         out.append("<tr>" + "".join(f"<td>{e(f)}</td>" for f in fields)
                    + f'<td class="nowrap">{e(r.created)}</td><td>{e(summary_text(col.counts(ids)))}</td></tr>')
     out.append("</tbody></table>")

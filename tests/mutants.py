@@ -16,6 +16,7 @@ import copy
 import torch
 
 from ngram_hal.backend import OPS
+from ngram_hal.kernels.cpu import CpuLayerKernels
 from ngram_hal.model_kernels import TorchLayerKernels
 from ngram_hal.reference import CpuBackend
 from ngram_hal.reference import attention, verify
@@ -47,6 +48,7 @@ FAULTS = (
     "softmax overflow",
     "half-precision accumulation",
     "wrong layer read",
+    "batch invariance not kept",
 )
 BOTH = ("on", "off")
 MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
@@ -948,6 +950,20 @@ class AttentionNoMaxSubtraction(Mutant):
         return dense_naive(q, kv, layer, layout, sm_scale, subtract_max=False)
 
 
+class AttentionInvariantLayoutIgnored(Mutant):
+    """Claims batch invariance but builds every layout as the default one: a query's blocks and key
+    columns follow the batch, and a tree node reads its ancestors where they sit in the tree."""
+
+    fault, op = "batch invariance not kept", "attention"
+    caught_by = ("test_invariance.py::test_attention_rows_do_not_depend_on_the_batch",
+                 "test_invariance.py::test_tree_nodes_equal_the_decode_of_their_path[short-prefix]",
+                 "test_invariance.py::test_tree_nodes_equal_the_decode_of_their_path[long-prefix]")
+
+    def _attention_layout(self, layout):
+        return attention.layout(layout.req_to_token, layout.req_pool_indices, layout.kv_lens, layout.q_lens,
+                                layout.tree_mask, layout.num_queries, layout.max_kv_len)
+
+
 class AttentionHalfPrecisionScores(Mutant):
     """Accumulates the query-key dot products in the input dtype: float16 scores overflow."""
 
@@ -1050,6 +1066,14 @@ class LinearAddOverwritesTheStream(KernelMutant):
 
     fault, op, kernels = "formula slip", "linear_add", _LinearAddLosesResidual
     caught_by = tuple(f"test_model_kernels.py::test_products_match_torch[{n}]" for n in (1, 3, 40))
+
+
+class ProductsInvariantUpToKernelRows(KernelMutant):
+    """Claims batch invariance but builds the products of the default mode: past the compiled
+    kernel's rows they go to BLAS, which sums a row in blocks that depend on the call."""
+
+    fault, op, kernels = "batch invariance not kept", "linear_add", CpuLayerKernels
+    caught_by = tuple(f"test_invariance.py::test_model_kernel_rows_do_not_depend_on_the_batch[{n}]" for n in (40, 300))
 
 
 def _lookup_repeats_its_first_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, tree_size, max_ngram,

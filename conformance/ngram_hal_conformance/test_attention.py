@@ -72,6 +72,21 @@ def random_parents(rng: random.Random, depth: int) -> list[int]:
     return [-1] + [rng.randrange(i) for i in range(1, depth)]
 
 
+def random_batch(data, rng: random.Random, batch: int, mode: str, max_keys: int, max_nodes: int,
+                 max_queries: int) -> tuple[list[int], list[int], list[list[int]] | None]:
+    """``(kv_lens, q_lens, trees)`` of a random batch of ``mode``: ``prefill`` (whole prompts),
+    ``decode`` (one query each), ``mixed`` (0 to ``max_queries`` new positions each) or ``tree``
+    (one random tree of 1 to ``max_nodes`` nodes, drawn from ``data``, after each prefix)."""
+    if mode == "tree":
+        D = data.draw(st.integers(1, max_nodes), label="D")
+        return [D + rng.randint(0, max_keys) for _ in range(batch)], [D] * batch, \
+            [random_parents(rng, D) for _ in range(batch)]
+    kv_lens = [rng.randint(1, max_keys) for _ in range(batch)]
+    q_lens = {"prefill": list(kv_lens), "decode": [1] * batch,
+              "mixed": [rng.randint(0, min(k, max_queries)) for k in kv_lens]}[mode]
+    return kv_lens, q_lens, None
+
+
 def attention_call(rng: random.Random, device, dtype: torch.dtype, kv_lens: list[int], q_lens: list[int],
                    heads: tuple[int, int] = (4, 2), head_dim: int = 8, trees: list[list[int]] | None = None,
                    poison: bool = False, num_layers: int = 2, spare_slots: int = 3, extra_cols: int = 4
@@ -229,16 +244,7 @@ def test_leaves_state_unchanged(backend, device):
 def test_matches_dense(backend, device, data, rng, heads, head_dim, batch, mode):
     """Random batches of every kind against the float64 dense result, with poisoned spare slots."""
     dtype = data.draw(st.sampled_from(_dtypes(backend)), label="dtype")
-    trees = None
-    if mode == "tree":
-        D = data.draw(st.integers(1, 6), label="D")
-        trees = [random_parents(rng, D) for _ in range(batch)]
-        q_lens = [D] * batch
-        kv_lens = [D + rng.randint(0, 24) for _ in range(batch)]
-    else:
-        kv_lens = [rng.randint(1, 40) for _ in range(batch)]
-        q_lens = {"prefill": list(kv_lens), "decode": [1] * batch,
-                  "mixed": [rng.randint(0, k) for k in kv_lens]}[mode]
+    kv_lens, q_lens, trees = random_batch(data, rng, batch, mode, max_keys=40, max_nodes=6, max_queries=40)
     call = attention_call(rng, device, dtype, kv_lens, q_lens, heads=heads, head_dim=head_dim, trees=trees,
                           poison=True, spare_slots=rng.randint(0, 8))
     _check(backend, device, call, f"{mode} {dtype}")

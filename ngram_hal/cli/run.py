@@ -68,8 +68,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="projections and attention split the same way whatever the batch (GPU; Triton kernels), "
-                             "so that greedy speculation reproduces plain decoding exactly")
+                        help="projections and attention split the same way whatever the batch (cuda and rocm; cpu "
+                             "in float32), so that greedy speculation reproduces plain decoding exactly")
     parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
@@ -277,8 +277,7 @@ def make_backend(args: argparse.Namespace):
     except (RuntimeError, AssertionError) as exc:
         raise CommandError(f"--device {backend.device}: cannot allocate there ({error_line(exc)})") from exc
     if getattr(args, "batch_invariant", False) and not backend.batch_invariant:
-        raise CommandError(f"--batch-invariant: needs a backend that runs Triton kernels (cuda, rocm), "
-                           f"not '{backend.name}'")
+        raise CommandError(f"--batch-invariant: backend '{backend.name}' has no batch-invariant mode")
     return backend
 
 

@@ -113,7 +113,9 @@ class Engine:
         and return the seconds it took: the prompts run (in batches of ``max_batch``, default the
         engine's ``max_running``) for a few tokens each, which compiles the kernels of their shapes
         and captures their prefill graphs (on a host runtime the first prompt alone, which compiles
-        the CPU kernels); where steps are captured and ``params`` samples or
+        the CPU kernels); on a device, prefills of every row count a serving prefill can
+        specialise kernels on then run too (:meth:`compile_prefill_rows`); where steps are
+        captured and ``params`` samples or
         wants log-probabilities, the forward graphs of every batch bucket and tree size are
         captured too. Then :meth:`forget_drafts`, so that what the prompts taught the drafter does
         not help the real run, and the statistics and the seeds of unseeded requests start again.
@@ -129,12 +131,35 @@ class Engine:
             prompts = prompts[:1]  # no graphs, and kernels that do not compile per shape: one prompt does
         for i in range(0, len(prompts), size):
             self.generate(list(prompts[i:i + size]), short)
+        if not self.backend.runtime.is_host:
+            self.compile_prefill_rows(short)
         if self.graphs is not None and (not params.greedy or params.logprobs):
             self.graphs.capture_forwards(tree_sizes(self.tree_size))
         self.backend.runtime.synchronize()
         self.forget_drafts()
         self._restart_counts()
         return time.perf_counter() - start
+
+    def compile_prefill_rows(self, params: SamplingParams) -> None:
+        """Prefills of ``2**k - 1`` and ``2**k`` rows, up to ``max_prefill_tokens``, one token each.
+
+        A prefill's row count picks kernel variants that the prompts of :meth:`warm_up`, batched
+        their own way, may not reach: a product table's tiling per row bucket, and Triton's
+        specialisation of a count of 1 or a multiple of 16. Serving would compile those on first
+        use, inside the requests' time. A count past one request's room is split over several
+        requests, which one prefill step takes together. ``params`` (greedy or sampling: their
+        prefills differ) with one new token."""
+        cfg = self.config
+        room = cfg.max_context_len - 3 * self.tree_size - 1
+        if room < 1:
+            return
+        vocab = self.model.config.vocab_size
+        one = params.model_copy(update={"max_new_tokens": 1})
+        counts = sorted({c for k in range(cfg.max_prefill_tokens.bit_length())
+                         for c in (2 ** k - 1, 2 ** k) if 0 < c <= cfg.max_prefill_tokens})
+        for rows in counts:
+            sizes = [room] * (rows // room) + ([rows % room] if rows % room else [])
+            self.generate([[(7 * i + 1) % vocab for i in range(n)] for n in sizes], one)
 
     def _restart_counts(self) -> None:
         """Statistics from zero, and the seeds of unseeded requests drawn from ``config.seed`` again."""

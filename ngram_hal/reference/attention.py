@@ -9,7 +9,13 @@ as the plan of an :class:`ngram_hal.AttentionLayout`); :func:`attention` runs on
 * one block per request of ``min(N, max_kv_len)`` queries when that pads at most half the rows
   (prefill of similar lengths);
 * otherwise blocks of ``ceil(N / B)`` queries: at most about twice the rows and twice the key
-  gathers of a ragged kernel, whatever the mix of decodes and extends.
+  gathers of a ragged kernel, whatever the mix of decodes and extends;
+* a batch-invariant layout: one block per query, whose keys are the ones a decode of that query
+  reads, in the columns a decode reads them: a causal query's first ``position + 1`` keys; a tree
+  node's prefix, then its ancestors and itself in depth order (where they sit once accepted). Every
+  block has ``max_kv_len`` key columns, so a query's scores, softmax and sums have the same shapes
+  and order whatever else shares the call, and a tree node computes exactly what the decode of
+  its path computes once that path is accepted.
 
 Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`.
 Arguments are validated by :class:`ngram_hal.Backend` before these functions run. Values the
@@ -21,6 +27,7 @@ call computes garbage for the requests concerned, but never reads or writes outs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,12 +46,14 @@ CHUNK_BYTES = 64 << 20
 @dataclass
 class _Blocks:
     """G blocks of Bq query rows. ``flat[n]``: row of query n in the padded [G*Bq] layout;
-    ``req[g]``: the request block g reads (its keys); ``mask``: bool[G, Bq, T]."""
+    ``req[g]``: the request block g reads (its keys); ``mask``: bool[G, Bq, T]; ``cols``:
+    int64[G, T], the ``req_to_token`` column each key column reads (None: column t reads t)."""
 
     size: int
     flat: torch.Tensor
     req: torch.Tensor
     mask: torch.Tensor
+    cols: torch.Tensor | None = None
 
 
 def _tree_blocks(tree_mask: torch.Tensor, prefix: torch.Tensor, cols: torch.Tensor) -> _Blocks:
@@ -92,25 +101,69 @@ def _causal_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: to
     return _Blocks(size, torch.where(placed, block * size + slot, count * size), block_req, mask)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Grouped-query SDPA. q [G, Qg, Hq, d]; k, v [G, T, H, d]; mask bool [G, Qg, T] -> [G, Qg, Hq, d]."""
+def _path_blocks(tree_mask: torch.Tensor, prefix: torch.Tensor, cols: torch.Tensor) -> _Blocks:
+    """One block per tree node: the prefix, then the node's ancestors and itself in depth order
+    (BFS order puts an ancestor before its descendants, so index order is depth order)."""
+    B, D, _ = tree_mask.shape
+    dev = tree_mask.device
+    nodes = torch.arange(D, dtype=torch.int64, device=dev)
+    rank = torch.cumsum(tree_mask.long(), 2) - 1
+    # path[b, i, k]: the k-th node of node i's path; entries off the path land in a spare column.
+    path = torch.zeros(B, D, D + 1, dtype=torch.int64, device=dev).scatter_(
+        2, torch.where(tree_mask, rank, D), nodes.expand(B, D, D))[:, :, :D]
+    depth = rank[:, :, -1:]
+    rel = (cols - prefix.unsqueeze(1)).unsqueeze(1)
+    on_path = (rel >= 0) & (rel <= depth)
+    node = torch.gather(path, 2, rel.clamp(0, D - 1).expand(B, D, -1))
+    read = torch.where(on_path, prefix.view(B, 1, 1) + node, cols)
+    mask = (rel < 0) | on_path
+    T = cols.shape[0]
+    return _Blocks(1, torch.arange(B * D, dtype=torch.int64, device=dev), torch.arange(B, device=dev).repeat_interleave(D),
+                   mask.view(B * D, 1, T), read.view(B * D, T))
+
+
+def _query_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: torch.Tensor) -> _Blocks:
+    """One block per causal query: the keys up to its own position. A query past the runs of
+    ``q_lens`` sees no key."""
+    B = kv_lens.shape[0]
+    flat = flatten(q_lens, N)
+    pos = flat.per_run(kv_lens - flat.lengths, fill=-1) + flat.offset
+    length = flat.per_run(kv_lens)
+    mask = (cols <= pos.unsqueeze(1)) & (cols < length.unsqueeze(1)) & flat.inside.unsqueeze(1)
+    return _Blocks(1, flat.index, flat.run.clamp(max=B - 1), mask.unsqueeze(1))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float,
+          invariant: bool = False) -> torch.Tensor:
+    """Grouped-query SDPA. q [G, Qg, Hq, d]; k, v [G, T, H, d]; mask bool [G, Qg, T] -> [G, Qg, Hq, d].
+
+    ``invariant``: products of contiguous blocks, softmax and products again, which compute each
+    block alone (torch's fused SDPA on a CPU, or a product over a strided view, can give a block
+    other bits in a call of another block count)."""
     G, Qg, Hq, d = q.shape
     T, H = k.shape[1], k.shape[2]
     g = Hq // H
     qh = q.reshape(G, Qg, H, g, d).permute(0, 2, 3, 1, 4).reshape(G, H, g * Qg, d)
     m = mask[:, None, None].expand(G, 1, g, Qg, T).reshape(G, 1, g * Qg, T)
-    out = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=sm_scale)
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    if invariant:
+        qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
+        scores = torch.matmul(qh, kh.transpose(2, 3)).mul_(sm_scale).masked_fill_(~m, -math.inf)
+        out = torch.matmul(torch.softmax(scores, -1), vh)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=sm_scale)
     return out.reshape(G, H, g, Qg, d).permute(0, 3, 1, 2, 4).reshape(G, Qg, Hq, d)
 
 
 class Plan:
     """The blocks of one batch and the KV rows (int64[G, T]) each block reads, -1 where a block
     reads no key; :meth:`rows` maps those, and any slot outside the cache, to the cache's
-    scratch row, once per cache."""
+    scratch row, once per cache. ``invariant``: the blocks of a batch-invariant layout."""
 
-    def __init__(self, blocks: _Blocks, slots: torch.Tensor):
+    def __init__(self, blocks: _Blocks, slots: torch.Tensor, invariant: bool = False):
         self.blocks = blocks
         self.slots = slots
+        self.invariant = invariant
         self._rows: tuple[int, torch.Tensor] | None = None
 
     def rows(self, scratch: int) -> torch.Tensor:
@@ -120,7 +173,8 @@ class Plan:
 
 
 def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
-           q_lens: torch.Tensor, tree_mask: torch.Tensor | None, N: int, max_kv_len: int) -> Plan | None:
+           q_lens: torch.Tensor, tree_mask: torch.Tensor | None, N: int, max_kv_len: int,
+           batch_invariant: bool = False) -> Plan | None:
     """The blocks of one batch; None when there is nothing to attend to (no query, key or request).
 
     A block of a request whose ``req_pool_indices`` entry lies outside ``req_to_token`` reads no key.
@@ -132,13 +186,17 @@ def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: 
         return None
     cols = torch.arange(T, dtype=torch.int64, device=req_to_token.device)
     if tree_mask is not None:
-        blocks = _tree_blocks(tree_mask, kv_lens - q_lens, cols)
+        blocks = (_path_blocks if batch_invariant else _tree_blocks)(tree_mask, kv_lens - q_lens, cols)
+    elif batch_invariant:
+        blocks = _query_blocks(kv_lens, q_lens, N, cols)
     else:
         blocks = _causal_blocks(kv_lens, q_lens, N, cols)
     table_row = req_pool_indices.index_select(0, blocks.req)
     readable = blocks.mask.any(1) & within(table_row, R).unsqueeze(1)
     slots = req_to_token[:, :T].index_select(0, table_row.clamp(0, R - 1))
-    return Plan(blocks, torch.where(readable, slots, -1))
+    if blocks.cols is not None:
+        slots = torch.gather(slots, 1, blocks.cols.clamp(0, T - 1))
+    return Plan(blocks, torch.where(readable, slots, -1), batch_invariant)
 
 
 def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_scale: float) -> torch.Tensor:
@@ -178,7 +236,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
         v = kv.v[layer].index_select(0, r).view(e - s, T, H, d)
         if k.dtype != work:
             k, v = k.to(work), v.to(work)
-        out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale)
+        out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
     out = out_rows if dense else out_rows.index_select(0, blocks.flat)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
@@ -189,7 +247,7 @@ class CpuAttentionOps:
 
     def _attention_layout(self, built: AttentionLayout) -> Plan:
         return layout(built.req_to_token, built.req_pool_indices, built.kv_lens, built.q_lens,
-                      built.tree_mask, built.num_queries, built.max_kv_len)
+                      built.tree_mask, built.num_queries, built.max_kv_len, built.batch_invariant)
 
     def _attention(self, q, kv_cache, layer, built: AttentionLayout, sm_scale):
         return attention(q, kv_cache, layer, built.plan, sm_scale)

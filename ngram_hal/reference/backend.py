@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..backend import Backend
 from ..kernels.cpu import CpuLayerKernels
 from .alloc import CpuAllocOps
@@ -21,9 +23,17 @@ class CpuBackend(CpuAllocOps, CpuKvOps, CpuTreeOps, CpuVerifyOps, CpuAttentionOp
     name = "cpu"
     default_device = "cpu"
     proxy = False
+    batch_invariant = True
 
     def layer_kernels(self, config, dtype, batch_invariant=False):
-        """Plain torch, with float32 CPU projections in panels (:class:`~ngram_hal.kernels.cpu.CpuLayerKernels`)."""
-        if batch_invariant:
-            return super().layer_kernels(config, dtype, batch_invariant)
-        return CpuLayerKernels(config, self, dtype)
+        """Plain torch, with float32 CPU projections in panels (:class:`~ngram_hal.kernels.cpu.CpuLayerKernels`).
+        The batch-invariant mode needs float32 on the CPU: it runs every row count through the
+        panels' compiled kernel."""
+        if batch_invariant and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"the cpu backend's batch-invariant mode needs float32 on the CPU, "
+                             f"not {dtype} on {self.device}")
+        return CpuLayerKernels(config, self, dtype, batch_invariant)
+
+    def invariance_holds(self) -> bool:
+        """On the CPU only: its projections are the panels' compiled kernel (float32)."""
+        return self.device.type == "cpu"

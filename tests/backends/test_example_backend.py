@@ -60,4 +60,5 @@ def test_passes_the_conformance_suite(installed, tmp_path):
                and not t["message"].endswith("scale set (--scale full runs it)")}
     assert skipped <= {"op 'verify_tree_sample' is not implemented by backend 'numpy'",
                        "op 'attention' is not implemented by backend 'numpy'",
-                       "value checks run only with strict=True", "value checks run only in strict mode"}
+                       "value checks run only with strict=True", "value checks run only in strict mode",
+                       "backend 'numpy' does not claim batch invariance on cpu"}

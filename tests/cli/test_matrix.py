@@ -101,7 +101,7 @@ def test_markdown_table(tmp_path):
 def test_hardware_heads_each_column_and_a_sanitized_run_is_its_own_column(tmp_path):
     h200 = {**CPU, "backend": "cuda", "device": "cuda",
             "hardware": {"name": "NVIDIA H200", "architecture": "sm_90", "memory_bytes": 150 * 2**30,
-                         "multiprocessors": 132, "runtime": "cuda 13.0"}, "capabilities": {"collectives": "nccl"}}
+                         "multiprocessors": 132, "runtime": "cuda 13.0"}, "capabilities": {"collectives": "nccl", "batch_invariant": True}}
     sanitized = {**h200, "sanitizer": {"tool": "memcheck", "errors": 0, "exit_code": 0}}
     m = matrix.merge_files([write(tmp_path, "a.json", h200), write(tmp_path, "b.json", sanitized),
                             write(tmp_path, "c.json", CPU)])
@@ -110,8 +110,8 @@ def test_hardware_heads_each_column_and_a_sanitized_run_is_its_own_column(tmp_pa
     header = next(line for line in md.splitlines() if line.startswith("| tier |"))
     hw = "NVIDIA H200, sm_90, 150 GiB, 132 SMs, cuda 13.0"
     assert header == f"| tier | op | test | cuda<br>{hw} | cuda under memcheck<br>{hw} | cpu |"
-    assert f"| cuda under memcheck | cuda | {hw} | no | 2.13.0 | ? | 0.1.0 | nccl | memcheck: 0 errors |" in md
-    assert "| cpu | cpu | " in md and "| 0.1.0 | ? | - |" in md, "a report without the capability: '?'"
+    assert f"| cuda under memcheck | cuda | {hw} | no | 2.13.0 | ? | 0.1.0 | nccl | yes | memcheck: 0 errors |" in md
+    assert "| cpu | cpu | " in md and "| 0.1.0 | ? | ? | - |" in md, "a report without the capabilities: '?'"
     page = matrix.to_html(m)
     assert f'<th>cuda under memcheck<br><span class="t">{hw}</span></th>' in page and "<th>cpu</th>" in page
 

@@ -624,3 +624,24 @@ def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, refere
     assert 0 < stats.shadow_hits < stats.shadow_drafts, "the loops of the model's greedy output are drafted, not all of it"
     assert len(records) == len(prompts) and all(sum(a.first) > 0 for a in records.values())
     assert_all_free(engine)
+
+
+def test_prefill_row_counts_compiled_before_serving(model, monkeypatch):
+    """The one-time prefills run every row count 2**k - 1 and 2**k up to max_prefill_tokens (the
+    counts past one request's room split over requests that one step takes together), and leave
+    the engine empty with every slot free."""
+    engine = make(model, num_slots=2048, max_context_len=64, max_prefill_tokens=200, max_running=8, tree_size=4)
+    rows = []
+    forward_argmax = model.forward_argmax
+
+    def counting(batch, kv):
+        rows.append(batch.input_ids.shape[0])
+        return forward_argmax(batch, kv)
+
+    monkeypatch.setattr(model, "forward_argmax", counting)
+    engine.compile_prefill_rows(SamplingParams())
+    want = {1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128}
+    assert want <= set(rows), sorted(want - set(rows))
+    assert max(rows) <= 200
+    assert not engine.has_unfinished()
+    assert engine.sched.slots.available() == engine.sched.slots.num_slots

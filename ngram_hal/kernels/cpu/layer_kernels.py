@@ -11,9 +11,17 @@ from .panel_linear import PanelLinear
 class CpuLayerKernels(TorchLayerKernels):
     """:class:`~ngram_hal.model_kernels.TorchLayerKernels` whose float32 CPU weights run as
     :class:`~ngram_hal.kernels.cpu.panel_linear.PanelLinear` (memory-bound products of few rows,
-    see its module); other weights stay :class:`~ngram_hal.model_kernels.DenseLinear`."""
+    see its module); other weights stay :class:`~ngram_hal.model_kernels.DenseLinear`.
+    ``batch_invariant``: every row count through the panels' kernel, never BLAS (float32 CPU
+    weights only)."""
+
+    def __init__(self, config, backend, dtype: torch.dtype, batch_invariant: bool = False):
+        super().__init__(config, backend, dtype)
+        self.batch_invariant = batch_invariant
 
     def linear(self, weight: torch.Tensor) -> Linear:
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            return PanelLinear(weight)
+            return PanelLinear(weight, self.batch_invariant)
+        if self.batch_invariant:
+            raise ValueError(f"the batch-invariant mode needs float32 CPU weights, got {weight.dtype} on {weight.device}")
         return DenseLinear(weight)

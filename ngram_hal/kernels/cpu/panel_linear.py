@@ -21,7 +21,8 @@ there, and its idle pool threads would spin on the other cores); on more, the pa
 among ``torch.get_num_threads()`` threads. Both paths do the same float operations per output
 element in the same order, so up to ``KERNEL_ROWS`` an output row does not depend on the other
 rows of the batch or on the thread count (``tests/backends/test_panel_linear.py``). Past that the product
-is compute-bound and each panel goes to ``torch.mm`` (BLAS).
+is compute-bound and each panel goes to ``torch.mm`` (BLAS), unless the layer is batch-invariant:
+then every row count runs the kernel, so that no row's result depends on the rest of the call.
 """
 
 from __future__ import annotations
@@ -137,9 +138,10 @@ class PanelLinear:
 
     Args:
         weight: float32[N, K] on the CPU; copied into the panel layout (the argument is not kept).
+        batch_invariant: the compiled kernel for every row count (BLAS past ``KERNEL_ROWS`` otherwise).
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"PanelLinear needs a 2-D float32 CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
@@ -148,6 +150,7 @@ class PanelLinear:
         padded = torch.zeros(P * PANEL, K, dtype=torch.float32)
         padded[:N] = weight
         self.out_features, self.in_features = N, K
+        self.batch_invariant = batch_invariant
         self.panels = padded.view(P, PANEL, K).transpose(1, 2).contiguous()
         self._panels = self.panels.numpy()
 
@@ -160,7 +163,7 @@ class PanelLinear:
         M = x.shape[0]
         width = self._panels.shape[0] * PANEL
         threads = torch.get_num_threads()
-        if M > KERNEL_ROWS:
+        if M > KERNEL_ROWS and not self.batch_invariant:
             out = torch.empty(M, width, dtype=torch.float32)
             for p in range(self._panels.shape[0]):
                 out[:, p * PANEL:(p + 1) * PANEL] = torch.mm(x, self.panels[p])

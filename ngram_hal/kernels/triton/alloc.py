@@ -46,7 +46,7 @@ def _fill_tail(out_ptr, b, B, end, num_out, BLOCK_T: tl.constexpr):
         tl.store(out_ptr + t, tl.full([BLOCK_T], -1, tl.int64), mask=t < num_out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_free", "num_out", "page_size"])
 def alloc_extend_kernel(prefix_ptr, seq_ptr, last_ptr, free_ptr, out_ptr, B, num_free, num_out, page_size,
                          BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -84,7 +84,7 @@ def alloc_extend_kernel(prefix_ptr, seq_ptr, last_ptr, free_ptr, out_ptr, B, num
     _fill_tail(out_ptr, b, B, off + n_all, num_out, BLOCK_T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "row_len", "num_locs"])
 def assign_req_to_token_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, locs_ptr, num_rows, row_len, num_locs,
                                 BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -102,7 +102,7 @@ def assign_req_to_token_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, locs_ptr
         tl.store(table_ptr + r * row_len + col, loc, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_rows", "row_len", "num_out"])
 def gather_cache_locs_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, out_ptr, B, num_rows, row_len, num_out,
                               BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -122,13 +122,11 @@ def gather_cache_locs_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, out_ptr, B
     _fill_tail(out_ptr, b, B, off + n_all, num_out, BLOCK_T)
 
 
-def _blocks(batch: int, total: int, cfg: LaunchConfig) -> tuple[int, int]:
-    """``(BLOCK_B, BLOCK_T)``: requests summed per step, and the block covering a typical request's
-    range (the mean length, as a power of two between 16 and ``cfg.index_block``)."""
-    limit = cfg.index_block
-    block_b = min(max(16, triton.next_power_of_2(batch)), limit)
-    block_t = min(max(16, triton.next_power_of_2(-(-total // max(batch, 1)))), limit)
-    return block_b, block_t
+def _blocks(cfg: LaunchConfig) -> tuple[int, int]:
+    """``(BLOCK_B, BLOCK_T)``: requests summed per step, and a request's positions per step. From
+    the launch configuration alone, never from the call's sizes, so that each kernel compiles once
+    whatever the batch: serving would otherwise compile new variants while it runs."""
+    return cfg.index_block, cfg.index_block
 
 
 def _output(size: int, batch: int, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -156,7 +154,7 @@ def alloc_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: to
     B = prefix_lens.shape[0]
     out, launch = _output(num_new_tokens, B, prefix_lens.device)
     if launch:
-        block_b, block_t = _blocks(B, num_new_tokens, cfg)
+        block_b, block_t = _blocks(cfg)
         alloc_extend_kernel[(B,)](prefix_lens, seq_lens, last_loc, free_pages, out, B, free_pages.shape[0],
                                    num_new_tokens, page_size, BLOCK_B=block_b, BLOCK_T=block_t,
                                    num_warps=cfg.num_warps, **cfg.options())
@@ -176,7 +174,7 @@ def assign_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     if B == 0 or N == 0:
         return
     R, M = req_to_token.shape
-    block_b, block_t = _blocks(B, N, cfg)
+    block_b, block_t = _blocks(cfg)
     assign_req_to_token_kernel[(B,)](req_to_token, req_pool_indices, start, end, locs, R, M, N,
                                       BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
 
@@ -195,7 +193,7 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     out, launch = _output(num_tokens, B, req_to_token.device)
     if launch:
         R, M = req_to_token.shape
-        block_b, block_t = _blocks(B, num_tokens, cfg)
+        block_b, block_t = _blocks(cfg)
         gather_cache_locs_kernel[(B,)](req_to_token, req_pool_indices, start, end, out, B, R, M, num_tokens,
                                         BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
     return out

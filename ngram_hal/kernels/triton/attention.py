@@ -16,11 +16,13 @@ forward (a few torch ops on the device, no host sync) and every layer reuses it.
 bound: ``sum_b ceil(q_b / BLOCK_Q) <= min(N, (N + B * (BLOCK_Q - 1)) // BLOCK_Q)``.
 
 Batch-invariant mode: every query walks its keys in chunks and blocks at fixed positions, with the
-same tile shape whatever the batch. A tree node there takes a tile of its own and reads its
-ancestors (root first, then itself) at the positions after the prefix that plain decoding gives
-them once accepted, instead of the tree's slots under its mask: its result is bit for bit the one
-a decode step of the same token computes, which is what keeps greedy speculation with branching
-trees identical to greedy decoding (chains sit at those positions already).
+same tile shape whatever the batch. A tree node there reads its ancestors (root first, then itself)
+at the positions after the prefix that plain decoding gives them once accepted, instead of the
+tree's slots under its mask: its result is bit for bit the one a decode step of the same token
+computes, which is what keeps greedy speculation with branching trees identical to greedy decoding
+(chains sit at those positions already). The key splits wholly before the tree are the same for
+every node, so one tile of a request's nodes reads them once; each node takes a tile of its own
+for the split the tree starts in and those after it.
 
 Triton's interpreter computes a bfloat16 ``tl.dot`` wrongly, so there (and only there) bfloat16
 operands are widened to float32 before each product.
@@ -52,7 +54,8 @@ def attention_kernel(
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -97,66 +100,74 @@ def attention_kernel(
             span = tl.maximum(span, tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N)
         start = split * span
         end = tl.minimum(start + span, kv_end)
+        # PART 1 takes only the splits wholly before the tree (keys every node of a tile sees), PART 2
+        # only the others: a verify step's nodes share the reads of the prefix's splits.
+        work = start >= 0
+        if PART == 1:
+            work = start + span <= prefix
+        if PART == 2:
+            work = start + span > prefix
+        if work:
 
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        table_row = req_to_token_ptr + r.to(tl.int64) * M
-        kv_base = h * HEAD_DIM
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            in_range = pos < end
-            rel = pos - prefix
-            if PATH:
-                node = tl.load(path_row + rel, mask=in_range & (rel >= 0) & (rel < TREE_D), other=0)
-                slot = tl.load(table_row + tl.where(rel >= 0, prefix + node, pos), mask=in_range, other=-1)
-            else:
-                slot = tl.load(table_row + pos, mask=in_range, other=-1)
-            key_ok = in_range & (slot >= 0) & (slot < S)
-            offs = kv_base + slot * stride_slot
-            k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            rel = rel[None, :]
-            if PATH:
-                visible = in_range[None, :]
-            elif TREE_D > 0:
-                in_tree = (rel >= 0) & (rel < TREE_D)
-                seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
-                               mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
-                visible = (rel < 0) | (in_tree & (seen != 0))
-            else:
-                visible = rel <= qi[:, None]
-            visible = visible & key_ok[None, :] & row_ok[:, None]
-            qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            table_row = req_to_token_ptr + r.to(tl.int64) * M
+            kv_base = h * HEAD_DIM
+            for n0 in range(start, end, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                in_range = pos < end
+                rel = pos - prefix
+                if PATH:
+                    node = tl.load(path_row + rel, mask=in_range & (rel >= 0) & (rel < TREE_D), other=0)
+                    slot = tl.load(table_row + tl.where(rel >= 0, prefix + node, pos), mask=in_range, other=-1)
+                else:
+                    slot = tl.load(table_row + pos, mask=in_range, other=-1)
+                key_ok = in_range & (slot >= 0) & (slot < S)
+                offs = kv_base + slot * stride_slot
+                k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                if IEEE:
+                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))
+                rel = rel[None, :]
+                if PATH:
+                    visible = in_range[None, :]
+                elif TREE_D > 0:
+                    in_tree = (rel >= 0) & (rel < TREE_D)
+                    seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
+                                   mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
+                    visible = (rel < 0) | (in_tree & (seen != 0))
+                else:
+                    visible = rel <= qi[:, None]
+                visible = visible & key_ok[None, :] & row_ok[:, None]
+                qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(qk - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
 
-        if SPLIT:
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            part = (n_row * Hq + head) * tl.num_programs(2) + split
-            tl.store(mid_lse_ptr + part, lse, mask=row_ok)
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None] & col_ok[None, :])
-        else:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            if SPLIT:
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                part = (n_row * Hq + head) * tl.num_programs(2) + split
+                tl.store(mid_lse_ptr + part, lse, mask=row_ok)
+                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None] & col_ok[None, :])
+            else:
+                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -261,8 +272,9 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tree_d = tree.shape[1] if tree is not None else 0
     per_req = tree_d if tree is not None else -(-N // B)
     max_m = max(16, _pow2(G), cfg.attn_block_m)
-    block_m = max_m if layout.batch_invariant else min(_pow2(max(1, per_req) * G), max_m)
-    block_m = max(16, block_m)
+    # The batch-invariant mode runs one tile height for every step (a row's bits depend on it):
+    # the smallest, one query's heads, as a decode step wants.
+    block_m = max(16, _pow2(G)) if layout.batch_invariant else max(16, min(_pow2(max(1, per_req) * G), max_m))
     on_path = layout.batch_invariant and tree is not None
     block_q = 1 if on_path else max(1, block_m // G)
     tiles = plan.tiles(block_q)
@@ -297,18 +309,29 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         mid_o = mid_lse = out
     mask = tree.view(torch.uint8) if tree is not None else plan.q_lens
     k_layer, v_layer = kv.k[layer], kv.v[layer]
-    grid = (num_tiles, H, splits)
-    attention_kernel[grid](
-        q, k_layer, v_layer, out, mid_o, mid_lse,
-        layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
-        tiles.req, tiles.q0, mask, plan.path(tree) if on_path else plan.q_lens,
-        B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
-        k_layer.stride(0), sm_scale * _LOG2E, chunk,
-        Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=on_path,
-        IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
-        **cfg.options())
+
+    def launch(tiles: _Tiles, path: bool, part: int, tree_d: int = tree_d) -> None:
+        attention_kernel[(tiles.req.shape[0], H, splits)](
+            q, k_layer, v_layer, out, mid_o, mid_lse,
+            layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
+            tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
+            B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
+            k_layer.stride(0), sm_scale * _LOG2E, chunk,
+            Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part,
+            IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
+            **cfg.options())
+
+    if on_path and splits > 1:
+        # The splits wholly before the tree hold keys every node sees at the positions a decode
+        # query reads them: a tile of nodes reads them once, in the decode kernel itself (no tree
+        # mask: every key there is visible), so each row's bits are a decode query's; each node on
+        # its path reads the rest.
+        launch(plan.tiles(max(1, block_m // G)), False, 1, tree_d=0)
+        launch(tiles, True, 2)
+    else:
+        launch(tiles, on_path, 0)
     if splits > 1:
         merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
                                  BLOCK_D=block_d, num_warps=cfg.num_warps, **cfg.options())

@@ -15,7 +15,7 @@ from typing import ClassVar
 from .alloc import TritonAllocOps
 from .attention import TritonAttentionOps
 from .kv import TritonKvOps
-from .launch import LaunchConfig
+from .launch import LaunchConfig, interpreting
 from .tree import TritonTreeOps
 from .verify import TritonVerifyOps
 
@@ -25,6 +25,11 @@ class TritonHalOps(TritonAllocOps, TritonKvOps, TritonTreeOps, TritonVerifyOps, 
 
     launch: ClassVar[LaunchConfig] = LaunchConfig()
     batch_invariant: ClassVar[bool] = True
+
+    def invariance_holds(self) -> bool:
+        """Not under Triton's interpreter, whose products are numpy's (the CPU's BLAS may sum a
+        row in another order by its place in a tile); compiled kernels sum in one fixed order."""
+        return not interpreting()
 
     def layer_kernels(self, config, dtype, batch_invariant=False):
         """The fused Triton model kernels (:class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`)."""

@@ -68,8 +68,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="projections and attention split the same way whatever the batch (cuda and rocm; cpu "
-                             "in float32), so that greedy speculation reproduces plain decoding exactly")
+                        help="projections and attention split the same way whatever the batch (cuda and rocm; "
+                             "cpu in float32), so that greedy speculation reproduces plain decoding exactly")
     parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '

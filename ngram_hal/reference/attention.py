@@ -118,8 +118,9 @@ def _path_blocks(tree_mask: torch.Tensor, prefix: torch.Tensor, cols: torch.Tens
     read = torch.where(on_path, prefix.view(B, 1, 1) + node, cols)
     mask = (rel < 0) | on_path
     T = cols.shape[0]
-    return _Blocks(1, torch.arange(B * D, dtype=torch.int64, device=dev), torch.arange(B, device=dev).repeat_interleave(D),
-                   mask.view(B * D, 1, T), read.view(B * D, T))
+    requests = torch.arange(B, dtype=torch.int64, device=dev).repeat_interleave(D)
+    return _Blocks(1, torch.arange(B * D, dtype=torch.int64, device=dev), requests, mask.view(B * D, 1, T),
+                   read.view(B * D, T))
 
 
 def _query_blocks(kv_lens: torch.Tensor, q_lens: torch.Tensor, N: int, cols: torch.Tensor) -> _Blocks:

@@ -23,5 +23,6 @@ class CpuLayerKernels(TorchLayerKernels):
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             return PanelLinear(weight, self.batch_invariant)
         if self.batch_invariant:
-            raise ValueError(f"the batch-invariant mode needs float32 CPU weights, got {weight.dtype} on {weight.device}")
+            raise ValueError(f"the batch-invariant mode needs float32 CPU weights, got {weight.dtype} "
+                             f"on {weight.device}")
         return DenseLinear(weight)

@@ -164,12 +164,13 @@ def _check(backend, device, call: cases.Call, what: str) -> None:
                                  f"max abs error {err.max().item():.3g} (atol {atol}, rtol {rtol})")
 
 
-def _dtypes(backend) -> list[torch.dtype]:
+def kv_dtypes(backend) -> list[torch.dtype]:
+    """The KV dtypes the backend lists, as torch dtypes."""
     return [getattr(torch, name) for name in backend.capabilities().kv_dtypes]
 
 
 def _each_dtype(backend, device, seed: str, **kwargs) -> None:
-    for dtype in _dtypes(backend):
+    for dtype in kv_dtypes(backend):
         rng = random.Random(f"{seed}-{dtype}")
         _check(backend, device, attention_call(rng, device, dtype, **kwargs), f"{seed} {dtype}")
 
@@ -243,7 +244,7 @@ def test_leaves_state_unchanged(backend, device):
        batch=st.integers(1, 4), mode=st.sampled_from(["prefill", "decode", "mixed", "tree"]))
 def test_matches_dense(backend, device, data, rng, heads, head_dim, batch, mode):
     """Random batches of every kind against the float64 dense result, with poisoned spare slots."""
-    dtype = data.draw(st.sampled_from(_dtypes(backend)), label="dtype")
+    dtype = data.draw(st.sampled_from(kv_dtypes(backend)), label="dtype")
     kv_lens, q_lens, trees = random_batch(data, rng, batch, mode, max_keys=40, max_nodes=6, max_queries=40)
     call = attention_call(rng, device, dtype, kv_lens, q_lens, heads=heads, head_dim=head_dim, trees=trees,
                           poison=True, spare_slots=rng.randint(0, 8))

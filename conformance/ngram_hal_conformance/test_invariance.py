@@ -25,7 +25,7 @@ from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.model_kernels import default_dtype
 
 from .checks import host
-from .test_attention import HEADS, attention_call, random_batch
+from .test_attention import HEADS, attention_call, kv_dtypes, random_batch
 
 rngs = st.randoms(use_true_random=False)
 KEYS = 400
@@ -59,17 +59,13 @@ def _request(a: dict, b: int, first: int, rows: int) -> dict:
     return one
 
 
-def _dtypes(backend) -> list[torch.dtype]:
-    return [getattr(torch, name) for name in backend.capabilities().kv_dtypes]
-
-
 @pytest.mark.conformance(op="attention", tier="semantics")
 @given(data=st.data(), rng=rngs, heads=st.sampled_from(HEADS), batch=st.integers(2, 5),
        mode=st.sampled_from(["decode", "mixed", "tree"]))
 def test_attention_rows_do_not_depend_on_the_batch(backend, device, data, rng, heads, batch, mode):
     """Each request of a random batch alone gives its rows of the batch's output, bit for bit."""
     _claims(backend)
-    dtype = data.draw(st.sampled_from(_dtypes(backend)), label="dtype")
+    dtype = data.draw(st.sampled_from(kv_dtypes(backend)), label="dtype")
     kv_lens, q_lens, trees = random_batch(data, rng, batch, mode, max_keys=KEYS - 8, max_nodes=8, max_queries=24)
     a = attention_call(rng, device, dtype, kv_lens, q_lens, heads=heads, head_dim=16, trees=trees).args
     out = host(_invariant(backend, a))
@@ -88,7 +84,7 @@ def test_tree_nodes_equal_the_decode_of_their_path(backend, device, prefix):
     _claims(backend)
     parents = [[-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8], [-1, 0, 1, 2, 3, 0, 5, 5, 1, 8, 9, 2]]
     D = len(parents[0])
-    for dtype in _dtypes(backend):
+    for dtype in kv_dtypes(backend):
         a = attention_call(random.Random(f"path-{prefix}-{dtype}"), device, dtype, [prefix + D, prefix + 3 + D],
                            [D, D], heads=(6, 2), head_dim=16, trees=parents, extra_cols=8).args
         tree = host(_invariant(backend, a))

@@ -3,6 +3,9 @@
 Request b's output (or its share of ``locs``) starts at the running sum of the lengths of the
 requests before it. Each program adds those lengths itself, in blocks of ``BLOCK_B`` requests,
 so no prefix-sum launch precedes the kernel; then it walks its own range in blocks of ``BLOCK_T``.
+Both blocks are the launch configuration's ``index_block`` and the kernels' integer arguments are
+not specialised, so each kernel compiles once whatever the batch (serving would otherwise compile
+new variants while it runs).
 
 Default-mode robustness (values the contract forbids but only strict mode checks): a negative
 length counts as empty, a length is capped at the output size, and every load and store is
@@ -122,13 +125,6 @@ def gather_cache_locs_kernel(table_ptr, rows_ptr, start_ptr, end_ptr, out_ptr, B
     _fill_tail(out_ptr, b, B, off + n_all, num_out, BLOCK_T)
 
 
-def _blocks(cfg: LaunchConfig) -> tuple[int, int]:
-    """``(BLOCK_B, BLOCK_T)``: requests summed per step, and a request's positions per step. From
-    the launch configuration alone, never from the call's sizes, so that each kernel compiles once
-    whatever the batch: serving would otherwise compile new variants while it runs."""
-    return cfg.index_block, cfg.index_block
-
-
 def _output(size: int, batch: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """A new int64[size] output and whether a kernel must fill it: not when it is empty, nor when
     there is no request (then it holds -1 only)."""
@@ -154,9 +150,8 @@ def alloc_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: to
     B = prefix_lens.shape[0]
     out, launch = _output(num_new_tokens, B, prefix_lens.device)
     if launch:
-        block_b, block_t = _blocks(cfg)
         alloc_extend_kernel[(B,)](prefix_lens, seq_lens, last_loc, free_pages, out, B, free_pages.shape[0],
-                                   num_new_tokens, page_size, BLOCK_B=block_b, BLOCK_T=block_t,
+                                   num_new_tokens, page_size, BLOCK_B=cfg.index_block, BLOCK_T=cfg.index_block,
                                    num_warps=cfg.num_warps, **cfg.options())
     return out
 
@@ -174,9 +169,9 @@ def assign_req_to_token(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     if B == 0 or N == 0:
         return
     R, M = req_to_token.shape
-    block_b, block_t = _blocks(cfg)
     assign_req_to_token_kernel[(B,)](req_to_token, req_pool_indices, start, end, locs, R, M, N,
-                                      BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
+                                      BLOCK_B=cfg.index_block, BLOCK_T=cfg.index_block, num_warps=cfg.num_warps,
+                                      **cfg.options())
 
 
 def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, start: torch.Tensor,
@@ -193,9 +188,9 @@ def gather_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     out, launch = _output(num_tokens, B, req_to_token.device)
     if launch:
         R, M = req_to_token.shape
-        block_b, block_t = _blocks(cfg)
         gather_cache_locs_kernel[(B,)](req_to_token, req_pool_indices, start, end, out, B, R, M, num_tokens,
-                                        BLOCK_B=block_b, BLOCK_T=block_t, num_warps=cfg.num_warps, **cfg.options())
+                                        BLOCK_B=cfg.index_block, BLOCK_T=cfg.index_block, num_warps=cfg.num_warps,
+                                      **cfg.options())
     return out
 
 

@@ -3,8 +3,9 @@
 For each batch size B, max(B, prompts) requests cycling over the prompts taken kind by kind in
 turn (the bundled ones by default) go through an engine of B running requests, continuous
 batching refilling the batch as requests finish, so that every batch of four or more mixes
-copy-heavy and open-ended requests; at B = 1 each prompt runs alone, one after another; greedy;
-these runs (``--runs`` picks some; D0 is the first of ``--tree-sizes``):
+copy-heavy and open-ended requests; at B = 1 each prompt runs alone, one after another; greedy
+(``--temperature`` above 0 samples, every request with ``--seed``); these runs (``--runs`` picks
+some; D0 is the first of ``--tree-sizes``):
 
   plain, plain-nooverlap, plain-nographs,    plain decode (D = 1), captured graphs and the overlap
   plain-nographs-nooverlap                   loop each on or off
@@ -29,7 +30,7 @@ between steps (over the decode window), peak device memory, host ms per step hid
 device or on its critical path, token ids. On CUDA a short extra pass per run under
 ``torch.profiler`` counts GPU kernels, host launch calls and GPU busy ms per decode step
 (``--profile-steps``). Ratios against plain decode of the same batch (graphs and overlap on) and
-against the old baseline (graphs and overlap off); how many requests give the same greedy tokens
+against the old baseline (graphs and overlap off); how many requests give the same tokens
 with speculation as without, in each mode; the engine's GPU targets, measured (never an exit code).
 A run that fails is recorded with its error and the others go on (exit code 1 at the end); the
 JSON is rewritten after every run.
@@ -71,7 +72,7 @@ from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, Setup, add_model_arguments, ad
                                check_tree_room, int_list, prompt_specs)
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
-from ngram_hal.options import POSITIVE_INT  # noqa: E402
+from ngram_hal.options import POSITIVE_INT, field_type  # noqa: E402
 
 SCHEMA = "ngram-hal-bench-engine/2"
 FULL = {"batch_sizes": [1, 16, 64], "max_new_tokens": 128, "tree_sizes": [8, 16]}
@@ -141,6 +142,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="timed passes of each run; the median one (by tokens/s) is reported (default 1)")
     parser.add_argument("--profile-steps", type=int, default=20, metavar="N",
                         help="decode steps profiled per run for kernels and launches, on CUDA (default 20; 0: off)")
+    parser.add_argument("--temperature", type=field_type(SamplingParams, "temperature"), default=0.0,
+                        help="0 is greedy (default); above 0 every request samples with --seed")
+    parser.add_argument("--seed", type=field_type(SamplingParams, "seed"), default=0, metavar="N",
+                        help="seed of every request's sampling, 0 <= N < 2**64 (default 0)")
     parser.add_argument("--max-context-len", type=POSITIVE_INT, default=2048,
                         help="positions per request (default 2048)")
     parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="CPU threads (default: as ngram-hal run)")
@@ -263,7 +268,8 @@ class Workload:
                  args: argparse.Namespace):
         self.setup, self.batch, self.specs, self.args = setup, batch, specs, args
         self.groups = [[s] for s in specs] if batch == 1 else [specs]
-        self.params = SamplingParams(max_new_tokens=args.max_new_tokens)
+        self.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     seed=args.seed if args.temperature > 0 else None)
         self.profiling = args.profile_steps > 0 and setup.backend.device.type == "cuda"
         self.longest = max(prompt_lens[s.id] for s in specs)
 
@@ -422,7 +428,7 @@ def _target(name: str, goal: str, measured, met: Callable[[float], bool], run: s
 
 def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Sequence[int]) -> list[dict]:
     """The engine's GPU targets, measured: plain and speculative tokens/s at batch 1, the device's idle
-    time, batch 64, auto against plain at every batch, greedy exactness. ``met`` is None where the
+    time, batch 64, auto against plain at every batch, exactness. ``met`` is None where the
     run is missing or failed (or, for idle time, where the device has no timing events)."""
     names = {c.name for c in configs}
     spec = [c.name for c in configs if c.tree_size > 1 and not c.invariant and c.graphs and c.overlap]
@@ -476,7 +482,7 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
     for mode in ("default", "invariant"):
         mine = [c for c in checks if c["mode"] == mode]
         same, total = sum(c["same"] for c in mine), sum(c["of"] for c in mine)
-        out.append({"target": f"greedy with speculation == without, {mode} mode (requests)",
+        out.append({"target": f"tokens with speculation == without, {mode} mode (requests)",
                     "goal": "all", "measured": f"{same}/{total}" if mine else None,
                     "run": "every speculative run" if mine else None, "met": same == total if mine else None})
     return out
@@ -553,7 +559,7 @@ def print_tables(console: Console, report: dict) -> None:
         by_kind.add_row(str(r["batch"]), r["run"], *(_f(c.get("tokens_per_s"), ".1f") for c in cells),
                         *(_f(c.get("tokens_per_verify_step"), ".2f") for c in cells))
     console.print(by_kind)
-    exact = make_table("greedy with speculation against without (same model mode): requests with the same tokens",
+    exact = make_table("speculation against plain decoding (same model mode and sampling): requests with the same tokens",
                        ("B", "run", "mode", "same", "differ"), left=("run", "mode", "differ"))
     for e in report["exactness"]:
         exact.add_row(str(e["batch"]), e["run"], e["mode"], f"{e['same']}/{e['of']}", ", ".join(e["differ"]))
@@ -593,7 +599,8 @@ def bench(args: argparse.Namespace) -> int:
               "options": {"batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens,
                           "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
-                          "requests": args.requests, "quick": args.quick, "products": args.products},
+                          "requests": args.requests, "quick": args.quick, "products": args.products,
+                          "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
               "configurations": [dataclasses.asdict(c) for c in configs], "runs": []}

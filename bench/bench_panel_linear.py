@@ -1,10 +1,12 @@
-"""Every projection of SmolLM2-135M for M rows: PanelLinear against F.linear, side by side.
+"""Every projection of SmolLM2-135M for M rows: the model's code panels, float32 panels and F.linear, side by side.
 
 One "step" multiplies M rows by all 121 weight matrices of the model (30 layers of QKV, output,
 gate-up and down projections, and the tied LM head; the LM head is left out for the prefill-sized
-M, as the engine computes logits only for the last prompt token). Both sides use the same
-weights from the GGUF file and the same inputs, alternating, in one process. Reports the median
-step time of each and the ratio.
+M, as the engine computes logits only for the last prompt token). Three sides, the same weights
+from the GGUF file and the same inputs, alternating, in one process: the layers the cpu backend
+gives the model (QuantPanelLinear, the file's Q4_1 and Q8_0 codes), PanelLinear over the
+dequantized float32 weights, and F.linear over them. Reports the median step time of each and the
+ratios.
 
     python bench/bench_panel_linear.py [--threads 1] [--rows 1 2 4 8 16 32 64] [--json PATH]
 """
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
+from ngram_hal.kernels.cpu import PanelLinear  # noqa: E402
 from ngram_hal.model_kernels import DenseLinear  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
@@ -50,30 +53,33 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = LlamaModel.from_gguf(get_backend("cpu"))
-    panel = step_layers(model)
-    dense = [DenseLinear(lin.dense()) for lin in panel]
-    heads = {"panel": model.lm_head, "dense": DenseLinear(model.lm_head.dense())}
+    sides = {"codes": step_layers(model)}
+    sides["panels"] = [PanelLinear(lin.dense()) for lin in sides["codes"]]
+    sides["dense"] = [DenseLinear(lin.dense()) for lin in sides["codes"]]
+    heads = {"codes": model.lm_head, "panels": PanelLinear(model.lm_head.dense()),
+             "dense": DenseLinear(model.lm_head.dense())}
     console = make_console()
     table = make_table(f"Projections of one SmolLM2-135M step, float32, {torch.get_num_threads()} thread(s)",
-                       ("rows", "PanelLinear ms", "F.linear ms", "F.linear / PanelLinear"))
+                       ("rows", "codes ms", "float panels ms", "F.linear ms", "panels / codes", "F.linear / codes"))
     results = []
     cases = [(m, True) for m in args.rows] + [(args.prefill_rows, False)]
     for rows, with_head in cases:
         gen = torch.Generator().manual_seed(rows)
-        xs = {k: torch.randn(rows, k, generator=gen) for k in {lin.in_features for lin in panel}}
-        times = {"panel": [], "dense": []}
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {lin.in_features for lin in sides["codes"]}}
+        times = {name: [] for name in sides}
         repeats = args.repeats if with_head else 3
-        for name, layers in (("panel", panel), ("dense", dense)):
+        for name, layers in sides.items():
             run_step(layers, heads[name] if with_head else None, xs)
         for _ in range(repeats):
-            for name, layers in (("panel", panel), ("dense", dense)):
+            for name, layers in sides.items():
                 start = time.perf_counter()
                 run_step(layers, heads[name] if with_head else None, xs)
                 times[name].append(time.perf_counter() - start)
-        p, d = statistics.median(times["panel"]) * 1e3, statistics.median(times["dense"]) * 1e3
+        c, p, d = (statistics.median(times[name]) * 1e3 for name in ("codes", "panels", "dense"))
         label = str(rows) if with_head else f"{rows} (prefill, no LM head)"
-        table.add_row(label, f"{p:.1f}", f"{d:.1f}", f"{d / p:.2f}x")
-        results.append({"rows": rows, "lm_head": with_head, "panel_ms": p, "f_linear_ms": d, "speedup": d / p})
+        table.add_row(label, f"{c:.1f}", f"{p:.1f}", f"{d:.1f}", f"{p / c:.2f}x", f"{d / c:.2f}x")
+        results.append({"rows": rows, "lm_head": with_head, "codes_ms": c, "panel_ms": p, "f_linear_ms": d,
+                        "panels_over_codes": p / c, "f_linear_over_codes": d / c})
     console.print(table)
     write_report(args.json, {**report_header("bench_panel_linear", model.backend), "results": results}, console)
 

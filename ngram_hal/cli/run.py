@@ -503,18 +503,24 @@ class Setup:
                               graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
         return Engine(model or self.model, self.tokenizer, config)
 
-    def warm_up(self, engines: Sequence, specs: Sequence[PromptSpec], params: SamplingParams,
-                batch_size: int) -> None:
-        """Each engine's one-time work on these prompts (kernel compiles, graph captures: see
-        :meth:`Engine.warm_up <ngram_hal.engine.engine.Engine.warm_up>`), done before anything is
-        timed and said on screen with the seconds it took."""
+    def warm_up(self, build: Callable[[], list], specs: Sequence[PromptSpec], params: SamplingParams,
+                batch_size: int) -> list:
+        """The engines ``build()`` makes (on a device their graph captures and the ``auto``
+        policy's calibration), each then warmed up on these prompts (kernel compiles: see
+        :meth:`Engine.warm_up <ngram_hal.engine.engine.Engine.warm_up>`): all the one-time work,
+        done before anything is timed and said on screen with the seconds it took."""
         prompts = [self.tokenizer.encode_chat(s.messages) for s in specs]
         host = self.backend.runtime.is_host
-        what = f"numba kernels, {COMPILE_NOTE}" if host else "kernel compiles, graph captures"
+        what = f"numba kernels, {COMPILE_NOTE}" if host else "graph captures, kernel compiles"
         with self.status.status(f"one-time work ({what}) ..."):
-            seconds = sum(engine.warm_up(prompts, params, batch_size) for engine in engines)
-        done = "kernels compiled" if host else "kernels compiled, graphs captured"
+            start = time.perf_counter()
+            engines = build()
+            for engine in engines:
+                engine.warm_up(prompts, params, batch_size)
+            seconds = time.perf_counter() - start
+        done = "kernels compiled" if host else "graphs captured, kernels compiled"
         self.status.print(f"one-time work done in {seconds:.1f} s, not timed: {done}")
+        return engines
 
     def load(self) -> float:
         """The highest 1-minute load average seen so far (at the set-up and now)."""
@@ -568,11 +574,11 @@ def run_command(args: argparse.Namespace) -> int:
     setup = Setup(args, status, check=lambda tokenizer: check_spec_room(tokenizer, specs, args, params))
     tree_size = 1 if args.no_spec else args.tree_size
     overlap = not args.no_overlap
-    runs = [("speculative" if tree_size > 1 else "plain",
-             setup.engine(tree_size, overlap, args.batch_size, args.spec_policy))]
-    if args.compare:
-        runs.append(("plain", setup.engine(1, overlap, args.batch_size)))
-    setup.warm_up([engine for _, engine in runs], specs, params, args.batch_size)
+    labels = ["speculative" if tree_size > 1 else "plain"] + (["plain"] if args.compare else [])
+    engines = setup.warm_up(lambda: [setup.engine(tree_size, overlap, args.batch_size, args.spec_policy)]
+                            + ([setup.engine(1, overlap, args.batch_size)] if args.compare else []),
+                            specs, params, args.batch_size)
+    runs = list(zip(labels, engines))
     with status.progress() as progress:
         # Under --tp every rank must run the same steps in the same order: whole runs, not time slices.
         results = run_side_by_side(runs, setup.tokenizer, specs, params, progress,
@@ -721,8 +727,8 @@ def bench_command(args: argparse.Namespace) -> int:
             for name, speculative, policy, overlap in BENCH_RUNS:
                 if policy == "auto" and args.tp > 1:
                     continue  # each rank would choose its own tree sizes (parallel.spec_policy)
-                engine = setup.engine(args.tree_size if speculative else 1, overlap, batch, policy)
-                setup.warm_up([engine], workload, params, batch)
+                [engine] = setup.warm_up(lambda: [setup.engine(args.tree_size if speculative else 1, overlap,
+                                                                batch, policy)], workload, params, batch)
                 kv_bytes[batch] = engine.kv.nbytes
                 label = f"B={batch} {name}{'' if overlap else ' -ovl'}"
                 res = run_prompts(engine, setup.tokenizer, workload, params, progress, label)

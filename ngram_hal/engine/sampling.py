@@ -8,6 +8,12 @@ a verify step samples the target's token after every tree node with the number o
 that token would take, and accepts a draft exactly when it equals that sample (verify against the
 sampled tokens), which is the same token plain decoding draws there. The committed tokens are
 distributed as the target (each is an inverse-CDF draw with its own uniform).
+
+A row's draw does not depend on the other rows of its call: the distributions come from a
+row-wise softmax, and the cumulative sums (of the draw, and of top-p's filter) are integer sums
+of fixed-point probabilities (:func:`fixed_point`), exact in any order. (A float
+``torch.cumsum`` on CUDA adds in an order that depends on the tensor's shape, so a plain decoding
+step of one request and a verify step of many would round the same row differently.)
 """
 
 from __future__ import annotations
@@ -55,16 +61,16 @@ class SamplingBatch:
         return torch.where(self.greedy.unsqueeze(1), onehot, probs)
 
     def _filter(self, logits: torch.Tensor) -> torch.Tensor:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if self.use_top_k:
             rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
             k = torch.where(self.top_k > 0, self.top_k, logits.shape[1]).unsqueeze(1)
             drop |= rank >= k
         if self.use_top_p:
-            p = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            before = p.cumsum(-1) - p
-            drop |= before >= self.top_p.unsqueeze(1)
+            weights = fixed_point(torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1))
+            cdf = weights.cumsum(-1)
+            drop |= (cdf - weights).double() >= self.top_p.double().unsqueeze(1) * cdf[:, -1:].double()
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -96,19 +102,37 @@ def seed_bits(seed: int) -> int:
     return _int64(seed % (1 << 64))
 
 
+UNIFORM_BITS = 24
+"""Random bits of each uniform: every one is a whole multiple of ``2**-UNIFORM_BITS``, exact in float32."""
+
+
 def positional_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """float32[N] in [0, 1) with 24 random bits: a hash of ``seeds`` (int64[N], from
-    :func:`seed_bits`) and ``positions`` (int64[N]), the same on every device and in every batch."""
+    """float32[N] in [0, 1) with :data:`UNIFORM_BITS` random bits: a hash of ``seeds`` (int64[N],
+    from :func:`seed_bits`) and ``positions`` (int64[N]), the same on every device and in every batch."""
     z = _mix(_mix(seeds + _GOLDEN) + positions * _GOLDEN)
-    return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    return _shift_right(z, 64 - UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << UNIFORM_BITS))
+
+
+FIXED_BITS = 38
+"""Probabilities are summed in units of ``2**-FIXED_BITS``: a row's total stays below ``2**39``, so a
+total times a uniform's ``UNIFORM_BITS`` bits fits in an int64."""
+
+
+def fixed_point(probs: torch.Tensor) -> torch.Tensor:
+    """int64[N, V]: ``probs`` (float32[N, V], rows summing to about 1) as whole numbers of
+    ``2**-FIXED_BITS`` units. Their running sums (``cumsum``) are exact in any order, so a row's
+    sums are the same whatever else shares the call, on any device; a float ``cumsum`` is not (on
+    CUDA its order of additions depends on the tensor's shape)."""
+    return torch.round(probs * float(1 << FIXED_BITS)).long()
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """int64[B]: the token of each row of ``probs`` [B, V] found by inverse CDF at ``uniforms`` [B]."""
-    cdf = probs.cumsum(-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(1)
-    token = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return token.clamp_(max=probs.shape[1] - 1)
+    """int64[B]: the token of each row of ``probs`` [B, V] found by inverse CDF at ``uniforms`` [B]
+    (from :func:`positional_uniforms`): the first token whose running weight exceeds
+    ``floor(u * total)``. A token of weight 0 is never drawn."""
+    cdf = fixed_point(probs).cumsum(-1)
+    target = ((uniforms * float(1 << UNIFORM_BITS)).long() * cdf[:, -1]) >> UNIFORM_BITS
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

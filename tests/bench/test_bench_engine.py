@@ -103,11 +103,29 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
     assert targets["plain decode, batch 1 (tok/s)"]["met"] is False
     assert targets["plain decode, batch 64 (tok/s)"]["measured"] is None
     assert targets["device idle between steps, plain, batch 1 (graphs, overlap)"]["measured"] is None
-    assert targets["greedy with speculation == without, default mode (requests)"]["measured"] == "20/20"
-    invariant_exact = targets["greedy with speculation == without, invariant mode (requests)"]
+    assert targets["tokens with speculation == without, default mode (requests)"]["measured"] == "20/20"
+    invariant_exact = targets["tokens with speculation == without, invariant mode (requests)"]
     assert invariant_exact["measured"] == "8/8" and invariant_exact["met"] is True
     printed = capsys.readouterr().out
     assert "targets (measured; not an exit code)" in printed and "invariant-plain" in printed
+
+
+def test_seeded_sampling_counts_the_same_tokens(bench_engine, tmp_path):
+    """``--temperature`` samples every request with ``--seed``; speculation commits the tokens plain
+    decoding samples (the cpu reference's invariant mode), and the report records the sampling."""
+    try:
+        find_model_file()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"model file not available: {exc}")
+    out = tmp_path / "bench.json"
+    assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--batch-sizes", "2",
+                              "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "7",
+                              "--runs", "invariant-plain,invariant-spec4-device", "--max-context-len", "256",
+                              "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["temperature"] == 0.9 and report["options"]["seed"] == 7
+    [check] = report["exactness"]
+    assert check["run"] == "invariant-spec4-device" and check["same"] == check["of"] > 0
 
 
 def test_unknown_run_is_an_error_before_anything_loads(bench_engine, capsys):
@@ -197,8 +215,8 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     assert got["auto8 / best fixed size (-), batch 64"][:2] == (None, None)
     assert got["auto8 / plain, batch 64"] == (0.97, True, "B=64 auto8 (passes paired with plain passes)")
     assert rows[-2]["vs_plain"] == pytest.approx(19000 / 21000)
-    assert got["greedy with speculation == without, default mode (requests)"][:2] == ("11/12", False)
-    assert got["greedy with speculation == without, invariant mode (requests)"][:2] == ("2/2", True)
+    assert got["tokens with speculation == without, default mode (requests)"][:2] == ("11/12", False)
+    assert got["tokens with speculation == without, invariant mode (requests)"][:2] == ("2/2", True)
     assert rows[2]["same_tokens_as_plain"] == {"same": 1, "of": 2, "differ": ["b"]}
     assert rows[2]["vs_plain"] == pytest.approx(2000 / 1200) and rows[2]["vs_old"] == pytest.approx(20.0)
     assert "vs_plain" not in rows[-1]

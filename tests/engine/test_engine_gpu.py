@@ -6,7 +6,8 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
   chunks).
 * Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
   drafts (prompt lookup, on the host or the device) and branching trie trees: each tree node reads
-  its path at the positions plain decoding gives it once accepted.
+  its path at the positions plain decoding gives it once accepted. So does seeded sampling: a
+  verify step draws each node's token from the bits a plain step draws it from.
 * Captured steps draft the device drafter's next chains in their graphs, as eager steps do after
   the step.
 * After warm-up, a run with graphs makes no hidden host sync.
@@ -109,6 +110,28 @@ def test_invariant_greedy_speculation_equals_plain(backend, prompts, long_prompt
     _, plain = _run(model, prompts, tree_size=1)
     engine, spec = _run(model, prompts, tree_size=8, drafter=drafter)
     assert engine.stats.tokens_per_step > 1.0, "the prompts must accept drafts for this test to cover speculation"
+    assert spec == plain
+
+
+@gpu
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+@pytest.mark.parametrize("drafter", ["trie", "device"])
+def test_invariant_seeded_sampling_with_speculation_equals_plain(backend, prompts, drafter, alone):
+    """Hot requests (temperature 0.8) sample for real; nearly greedy ones (0.01) repeat their
+    prompts, so that drafts are accepted. Alone, a plain step samples one row, a verify step many."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=4, batch_invariant=True)
+    params = [SamplingParams(temperature=0.01 if i % 2 else 0.8, seed=100 + i, max_new_tokens=40)
+              for i in range(len(prompts))]
+
+    def run(**cfg):
+        engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8, **cfg))
+        if alone:
+            return engine, [engine.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+        return engine, [o.token_ids for o in engine.generate(prompts, params)]
+
+    _, plain = run(tree_size=1)
+    engine, spec = run(tree_size=8, spec_policy="always", drafter=drafter)
+    assert engine.stats.tokens_per_step > 1.0, "no draft was accepted: the comparison would not involve speculation"
     assert spec == plain
 
 

@@ -1,12 +1,15 @@
-"""Random numbers by position: the counter-based hash behind every sampled token."""
+"""Random numbers by position (the counter-based hash behind every sampled token) and the
+inverse-CDF draw, whose cumulative sums give a row the same bits in any batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ngram_hal.engine.sampling import positional_uniforms, sample_from_probs, seed_bits
+from ngram_hal.engine.sampling import FIXED_BITS, fixed_point, positional_uniforms, sample_from_probs, seed_bits
 
 MASK = (1 << 64) - 1
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _splitmix(z: int) -> int:
@@ -53,3 +56,27 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     tokens = sample_from_probs(probs, positional_uniforms(torch.full((50_000,), seed_bits(1)), torch.arange(50_000)))
     freq = torch.bincount(tokens, minlength=3).float() / 50_000
     torch.testing.assert_close(freq, probs[0], atol=0.01, rtol=0)
+
+
+def test_a_token_of_weight_zero_is_never_drawn():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(4096, 5)
+    tokens = sample_from_probs(probs, positional_uniforms(torch.full((4096,), seed_bits(2)), torch.arange(4096)))
+    assert set(tokens.tolist()) == {1, 3}
+    edges = torch.tensor([0.0, 1.0 - 2.0 ** -24])  # the smallest and the largest uniform
+    assert sample_from_probs(probs[:2], edges).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rows_draw_does_not_depend_on_the_batch(device):
+    """Bit for bit by design (integer sums): a plain decoding step samples one row where a verify
+    step samples many, and a seeded request must draw the same token from the same logits."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(300, 49_152, generator=g) * 4, dim=-1).to(device)  # a vocabulary's width
+    uniforms = positional_uniforms(torch.full((300,), seed_bits(5)), torch.arange(300)).to(device)
+    tokens = sample_from_probs(probs, uniforms)
+    sums = fixed_point(probs).cumsum(-1)
+    for rows in (1, 2, 9, 64):
+        assert torch.equal(sample_from_probs(probs[:rows], uniforms[:rows]), tokens[:rows]), f"{rows} rows"
+        assert torch.equal(fixed_point(probs[:rows]).cumsum(-1), sums[:rows]), f"{rows} rows"
+    assert int(sums[:, -1].max()) < 2 ** (FIXED_BITS + 1)
+    torch.testing.assert_close(sums.double() / 2 ** FIXED_BITS, probs.double().cumsum(-1), rtol=0, atol=1e-6)

@@ -2,5 +2,6 @@
 
 from .layer_kernels import CpuLayerKernels
 from .panel_linear import PanelLinear
+from .quant_linear import QuantPanelLinear
 
-__all__ = ["CpuLayerKernels", "PanelLinear"]
+__all__ = ["CpuLayerKernels", "PanelLinear", "QuantPanelLinear"]

@@ -6,12 +6,15 @@ import torch
 
 from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
 from .panel_linear import PanelLinear
+from .quant_linear import QuantPanelLinear, quantize_exactly
 
 
 class CpuLayerKernels(TorchLayerKernels):
     """:class:`~ngram_hal.model_kernels.TorchLayerKernels` whose float32 CPU weights run as
     :class:`~ngram_hal.kernels.cpu.panel_linear.PanelLinear` (memory-bound products of few rows,
-    see its module); other weights stay :class:`~ngram_hal.model_kernels.DenseLinear`.
+    see its module), or as :class:`~ngram_hal.kernels.cpu.quant_linear.QuantPanelLinear` where a
+    weight is exactly a dequantized Q4_1 or Q8_0 tensor (the same results from a fraction of the
+    memory reads); other weights stay :class:`~ngram_hal.model_kernels.DenseLinear`.
     ``batch_invariant``: every row count through the panels' kernel, never BLAS (float32 CPU
     weights only)."""
 
@@ -21,6 +24,9 @@ class CpuLayerKernels(TorchLayerKernels):
 
     def linear(self, weight: torch.Tensor) -> Linear:
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            quantized = quantize_exactly(weight)
+            if quantized is not None:
+                return QuantPanelLinear(*quantized, batch_invariant=self.batch_invariant)
             return PanelLinear(weight, self.batch_invariant)
         if self.batch_invariant:
             raise ValueError(f"the batch-invariant mode needs float32 CPU weights, got {weight.dtype} "

@@ -141,6 +141,9 @@ class PanelLinear:
         batch_invariant: the compiled kernel for every row count (BLAS past ``KERNEL_ROWS`` otherwise).
     """
 
+    kernel_rows = KERNEL_ROWS
+    """The most rows the compiled kernel takes (past them BLAS, outside the batch-invariant mode)."""
+
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"PanelLinear needs a 2-D float32 CPU weight, got {weight.dtype} "
@@ -153,20 +156,31 @@ class PanelLinear:
         self.batch_invariant = batch_invariant
         self.panels = padded.view(P, PANEL, K).transpose(1, 2).contiguous()
         self._panels = self.panels.numpy()
+        self.num_panels = P
+
+    def float_panels(self) -> torch.Tensor:
+        """The weight's panels as float32[P, K, PANEL] (panel p: output columns ``p*PANEL ..``)."""
+        return self.panels
+
+    def _product(self, x: np.ndarray, out: np.ndarray, blocked: bool, threads: int) -> None:
+        """``out = x @ panels`` by the compiled kernel, on ``threads`` threads."""
+        kernel = _panel_matmul_parallel if threads > 1 else _panel_matmul
+        kernel(x, self._panels, out, blocked)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: float32[M, K] on the CPU -> contiguous float32[M, N], on ``torch.get_num_threads()``
         threads."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"PanelLinear expects float32 (M, {self.in_features}) on the CPU, got "
+            raise ValueError(f"{type(self).__name__} expects float32 (M, {self.in_features}) on the CPU, got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         M = x.shape[0]
-        width = self._panels.shape[0] * PANEL
+        width = self.num_panels * PANEL
         threads = torch.get_num_threads()
-        if M > KERNEL_ROWS and not self.batch_invariant:
+        if M > self.kernel_rows and not self.batch_invariant:
             out = torch.empty(M, width, dtype=torch.float32)
-            for p in range(self._panels.shape[0]):
-                out[:, p * PANEL:(p + 1) * PANEL] = torch.mm(x, self.panels[p])
+            panels = self.float_panels()
+            for p in range(self.num_panels):
+                out[:, p * PANEL:(p + 1) * PANEL] = torch.mm(x, panels[p])
         else:
             blocked = M > FEW_ROWS
             rows = -(-M // ROWS) * ROWS if blocked else M
@@ -175,8 +189,7 @@ class PanelLinear:
             out = torch.empty(rows, width, dtype=torch.float32)
             if threads > 1:
                 _set_threads(threads)
-            kernel = _panel_matmul_parallel if threads > 1 else _panel_matmul
-            kernel(x.contiguous().numpy(), self._panels, out.numpy(), blocked)
+            self._product(x.contiguous().numpy(), out.numpy(), blocked, threads)
             out = out[:M]
         return out if width == self.out_features else out[:, :self.out_features].contiguous()
 

@@ -56,6 +56,7 @@ def test_bit_for_bit_panel_linear(fmt, threads, rows):
     assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32 and got.is_contiguous()
     want = PanelLinear(weight, batch_invariant=rows <= QuantPanelLinear.kernel_rows)(x)
     assert torch.equal(got, want)
+    assert torch.get_num_threads() == threads, "one thread runs the serial kernels: numba's pool must not start"
 
 
 def test_rows_and_dense_give_the_weight_back(fmt):

@@ -79,16 +79,28 @@ def quantize_exactly(weight: torch.Tensor) -> tuple[str, np.ndarray, np.ndarray,
     return None
 
 
-@njit(cache=True, boundscheck=False, parallel=True)
+@njit(boundscheck=False, inline="always")
+def _decode_panel(codes, d, m, p, weights, i):
+    """weights[i] float32[K, PANEL] = panel p's weights, ``d * q + m`` (codes uint8 or int8
+    [P, K, PANEL], d and m float32[P, K/32, PANEL])."""
+    for k in range(codes.shape[1]):
+        b = k // BLOCK
+        for j in range(PANEL):
+            weights[i, k, j] = d[p, b, j] * np.float32(codes[p, k, j]) + m[p, b, j]
+
+
+@njit(cache=True, boundscheck=False)
 def _decode(codes, d, m, panels, weights):
-    """weights[i] float32[K, PANEL] = panel ``panels[i]``'s weights, ``d * q + m`` (codes uint8 or
-    int8 [P, K, PANEL], d and m float32[P, K/32, PANEL]), the panels split among numba's threads."""
+    """weights[i] = the weights of panel ``panels[i]``, on the calling thread."""
+    for i in range(panels.shape[0]):
+        _decode_panel(codes, d, m, panels[i], weights, i)
+
+
+@njit(cache=True, boundscheck=False, parallel=True)
+def _decode_parallel(codes, d, m, panels, weights):
+    """:func:`_decode` with the panels split among numba's threads."""
     for i in prange(panels.shape[0]):
-        p = panels[i]
-        for k in range(codes.shape[1]):
-            b = k // BLOCK
-            for j in range(PANEL):
-                weights[i, k, j] = d[p, b, j] * np.float32(codes[p, k, j]) + m[p, b, j]
+        _decode_panel(codes, d, m, panels[i], weights, i)
 
 
 @njit(fastmath=True, boundscheck=False, inline="always")
@@ -196,8 +208,10 @@ class QuantPanelLinear(PanelLinear):
     def _weights(self, panels: np.ndarray) -> torch.Tensor:
         """float32[len(panels), K, PANEL]: the weights of these panels (int64 indices), decoded."""
         weights = np.empty((panels.shape[0], self.in_features, PANEL), np.float32)
-        _set_threads(torch.get_num_threads())
-        _decode(self._codes, self._d, self._m, panels, weights)
+        threads = torch.get_num_threads()
+        if threads > 1:
+            _set_threads(threads)
+        (_decode_parallel if threads > 1 else _decode)(self._codes, self._d, self._m, panels, weights)
         return torch.from_numpy(weights)
 
     def float_panels(self) -> torch.Tensor:

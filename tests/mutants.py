@@ -955,8 +955,10 @@ class AttentionInvariantLayoutIgnored(Mutant):
     columns follow the batch, and a tree node reads its ancestors where they sit in the tree."""
 
     fault, op = "batch invariance not kept", "attention"
-    caught_by = ("test_invariance.py::test_attention_rows_do_not_depend_on_the_batch",
-                 "test_invariance.py::test_tree_nodes_equal_the_decode_of_their_path[short-prefix]",
+    # Not test_attention_rows_do_not_depend_on_the_batch: whether the default layout's rows change
+    # with the batch depends on the CPU's attention kernel (on an AVX-512 machine they did not for
+    # its examples). A tree node reading its ancestors where they sit in the tree always differs.
+    caught_by = ("test_invariance.py::test_tree_nodes_equal_the_decode_of_their_path[short-prefix]",
                  "test_invariance.py::test_tree_nodes_equal_the_decode_of_their_path[long-prefix]")
 
     def _attention_layout(self, layout):

@@ -28,11 +28,13 @@ CASES = {
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _backend(split: bool) -> CudaBackend:
+def _backend(split: bool, programs: int | None = None) -> CudaBackend:
     """A cuda backend whose attention splits the keys (and merges) whenever a request has >16 keys,
-    or never splits."""
+    or never splits; ``programs`` overrides the programs that fill the device (in the batch-invariant
+    mode, whose splits are fixed, the programs that take them: 1 walks them all in one)."""
     backend = CudaBackend(device=DEVICE)
-    backend.launch = replace(CudaBackend.launch, attn_programs=4096 if split else 1, attn_min_split=16)
+    backend.launch = replace(CudaBackend.launch, attn_programs=programs or (4096 if split else 1),
+                             attn_invariant_fill=1, attn_min_split=16)
     return backend
 
 
@@ -132,30 +134,45 @@ def _invariant(backend, a, **changes):
     return backend.attention(**a, layout=layout)
 
 
-@pytest.mark.parametrize("name", ["tree", "tree-deep"])
-def test_invariant_tree_matches_dense(name):
+@pytest.mark.parametrize("programs", [1, 2, 4096], ids=lambda p: f"{p}-programs")
+@pytest.mark.parametrize("name", ["tree", "tree-deep", "decode"])
+def test_invariant_matches_dense(name, programs):
     call = attention_call(random.Random(name), DEVICE, torch.float32, heads=(6, 2), poison=True, spare_slots=6,
-                          **CASES[name])
+                          extra_cols=300, **CASES[name])
     a = call.args
     want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
                            a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
-    torch.testing.assert_close(_invariant(_backend(True), a).cpu().double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_invariant(_backend(True, programs), a).cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tree", "decode"])
+def test_invariant_bits_do_not_follow_the_programs(name):
+    """Batch-invariant mode: the key splits sit at fixed positions and merge in their own order, so
+    taking them in one program per tile, in two, or one each gives the same bits. The table's width
+    (300 more columns) makes splits past every context, which the programs must mark empty."""
+    a = attention_call(random.Random(f"programs-{name}"), DEVICE, torch.bfloat16, heads=(6, 2),
+                       extra_cols=300, **CASES[name]).args
+    one_each = _invariant(_backend(True, 4096), a)
+    for programs in (1, 2):
+        assert_invariant(_invariant(_backend(True, programs), a), one_each, f"{programs} programs per tile")
+
+
+@pytest.mark.parametrize("programs", [2, 4096], ids=lambda p: f"{p}-programs")
 @pytest.mark.parametrize("prefix", [29, 300], ids=["one-split", "splits-before-the-tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix):
+def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix, programs):
     """Batch-invariant mode: a tree node's output is bit for bit the decode output of the same query
     once its path (its ancestors, then itself) has been accepted, i.e. moved to the positions right
     after the prefix, whatever other branches the tree had. With a long prefix the key splits
-    wholly before the tree are read by one tile of all the nodes, the rest node by node."""
+    wholly before the tree are read by one tile of all the nodes, the rest node by node. The tree
+    takes its splits in ``programs`` per tile, the decodes one program per split."""
     parents = [-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8]
     D = len(parents)
     call = attention_call(random.Random("path"), DEVICE, dtype, heads=(6, 2), kv_lens=[prefix + D], q_lens=[D],
                           trees=[parents], extra_cols=8)
     backend = _backend(True)
     a = call.args
-    tree_out = _invariant(backend, a)
+    tree_out = _invariant(_backend(True, programs), a)
     r = int(a["req_pool_indices"][0])
     for i in range(D):
         path = [i]

@@ -16,13 +16,17 @@ forward (a few torch ops on the device, no host sync) and every layer reuses it.
 bound: ``sum_b ceil(q_b / BLOCK_Q) <= min(N, (N + B * (BLOCK_Q - 1)) // BLOCK_Q)``.
 
 Batch-invariant mode: every query walks its keys in chunks and blocks at fixed positions, with the
-same tile shape whatever the batch. A tree node there reads its ancestors (root first, then itself)
-at the positions after the prefix that plain decoding gives them once accepted, instead of the
-tree's slots under its mask: its result is bit for bit the one a decode step of the same token
-computes, which is what keeps greedy speculation with branching trees identical to greedy decoding
-(chains sit at those positions already). The key splits wholly before the tree are the same for
-every node, so one tile of a request's nodes reads them once; each node takes a tile of its own
-for the split the tree starts in and those after it.
+same tile shape whatever the batch. Their number follows the host's bound on the keys (a captured
+step's: the request table's width), most of them past a short context, so a program takes every
+so-many-th chunk of its tile, as many programs as fill the device a few times over
+(``LaunchConfig.attn_invariant_fill``, chosen by ``bench/bench_attention_verify.py``). A tree
+node there reads its ancestors (root first, then itself) at the positions after the prefix that
+plain decoding gives them once accepted, instead of the tree's slots under its mask: its result is
+bit for bit the one a decode step of the same token computes, which is what keeps greedy
+speculation with branching trees identical to greedy decoding (chains sit at those positions
+already). The key splits wholly before the tree are the same for every node, so one tile of a
+request's nodes reads them once; each node takes a tile of its own for the split the tree starts
+in and those after it.
 
 Triton's interpreter computes a bfloat16 ``tl.dot`` wrongly, so there (and only there) bfloat16
 operands are widened to float32 before each product.
@@ -46,12 +50,12 @@ from .launch import LaunchConfig, interpreting, num_programs_to_fill
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk"])
+@triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk", "SPLITS"])
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
-    B, R, M, S, N, stride_slot, sm_scale_log2, chunk,
+    B, R, M, S, N, stride_slot, sm_scale_log2, chunk, SPLITS,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr,
@@ -59,7 +63,6 @@ def attention_kernel(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)
     b = tl.load(tile_req_ptr + tile)
     if b < B:
         G: tl.constexpr = Hq // H
@@ -97,77 +100,88 @@ def attention_kernel(
         if EVEN:
             # The request's own keys shared evenly by the splits (whole key blocks, at least
             # ``chunk`` keys each), not the host's bound on every request's keys.
-            span = tl.maximum(span, tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N)
-        start = split * span
-        end = tl.minimum(start + span, kv_end)
+            span = tl.maximum(span, tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N)
         # PART 1 takes only the splits wholly before the tree (keys every node of a tile sees), PART 2
         # only the others: a verify step's nodes share the reads of the prefix's splits.
-        work = start >= 0
+        first = 0
+        last = SPLITS
         if PART == 1:
-            work = start + span <= prefix
+            last = tl.minimum(SPLITS, tl.maximum(prefix, 0) // span)
         if PART == 2:
-            work = start + span > prefix
-        if work:
+            first = tl.maximum(prefix, 0) // span
+        # This program's splits: every ``num_programs(2)``-th from ``first`` (one each outside the
+        # batch-invariant mode). A split past the keys only marks itself empty for the merge.
+        for split in range(first + tl.program_id(2), last, tl.num_programs(2)):
+            start = split * span
+            end = tl.minimum(start + span, kv_end)
+            part = (n_row * Hq + head) * SPLITS + split
+            if start < end:
+                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                table_row = req_to_token_ptr + r.to(tl.int64) * M
+                kv_base = h * HEAD_DIM
+                for n0 in range(start, end, BLOCK_N):
+                    pos = n0 + tl.arange(0, BLOCK_N)
+                    in_range = pos < end
+                    rel = pos - prefix
+                    if PATH:
+                        node = tl.load(path_row + rel, mask=in_range & (rel >= 0) & (rel < TREE_D), other=0)
+                        slot = tl.load(table_row + tl.where(rel >= 0, prefix + node, pos), mask=in_range, other=-1)
+                    else:
+                        slot = tl.load(table_row + pos, mask=in_range, other=-1)
+                    key_ok = in_range & (slot >= 0) & (slot < S)
+                    offs = kv_base + slot * stride_slot
+                    k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :],
+                                other=0.0)
+                    if UPCAST:
+                        k = k.to(tl.float32)
+                    if IEEE:
+                        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    else:
+                        qk = tl.dot(q, tl.trans(k))
+                    rel = rel[None, :]
+                    if PATH:
+                        visible = in_range[None, :]
+                    elif TREE_D > 0:
+                        in_tree = (rel >= 0) & (rel < TREE_D)
+                        seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
+                                       mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
+                        visible = (rel < 0) | (in_tree & (seen != 0))
+                    else:
+                        visible = rel <= qi[:, None]
+                    visible = visible & key_ok[None, :] & row_ok[:, None]
+                    qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp2(qk - m_safe[:, None])
+                    alpha = tl.exp2(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :],
+                                other=0.0)
+                    if UPCAST:
+                        v = v.to(tl.float32)
+                    if IEEE:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    else:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    m_i = m_new
 
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-            table_row = req_to_token_ptr + r.to(tl.int64) * M
-            kv_base = h * HEAD_DIM
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                in_range = pos < end
-                rel = pos - prefix
-                if PATH:
-                    node = tl.load(path_row + rel, mask=in_range & (rel >= 0) & (rel < TREE_D), other=0)
-                    slot = tl.load(table_row + tl.where(rel >= 0, prefix + node, pos), mask=in_range, other=-1)
-                else:
-                    slot = tl.load(table_row + pos, mask=in_range, other=-1)
-                key_ok = in_range & (slot >= 0) & (slot < S)
-                offs = kv_base + slot * stride_slot
-                k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                if IEEE:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                rel = rel[None, :]
-                if PATH:
-                    visible = in_range[None, :]
-                elif TREE_D > 0:
-                    in_tree = (rel >= 0) & (rel < TREE_D)
-                    seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
-                                   mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
-                    visible = (rel < 0) | (in_tree & (seen != 0))
-                else:
-                    visible = rel <= qi[:, None]
-                visible = visible & key_ok[None, :] & row_ok[:, None]
-                qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(qk - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
-                if UPCAST:
-                    v = v.to(tl.float32)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-
-            if SPLIT:
-                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-                part = (n_row * Hq + head) * tl.num_programs(2) + split
-                tl.store(mid_lse_ptr + part, lse, mask=row_ok)
                 o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None] & col_ok[None, :])
+                if SPLIT:
+                    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                    tl.store(mid_lse_ptr + part, lse, mask=row_ok)
+                    tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o,
+                             mask=row_ok[:, None] & col_ok[None, :])
+                else:
+                    tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            elif SPLIT:
+                tl.store(mid_lse_ptr + part, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
             else:
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                 tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                         tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -287,11 +301,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
     # Tree verify splits like decode, except in the batch-invariant mode (fixed chunks for every query).
     min_split = cfg.attn_split_keys(block_n, decode or (tree is not None and not layout.batch_invariant))
+    want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
         chunk = cfg.attn_invariant_keys or min_split
     else:
-        want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
         splits = 1
         if num_tiles * H < want and max_kv > min_split:
             splits = min(-(-want // (num_tiles * H)), -(-max_kv // min_split))
@@ -311,12 +325,19 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     k_layer, v_layer = kv.k[layer], kv.v[layer]
 
     def launch(tiles: _Tiles, path: bool, part: int, tree_d: int = tree_d) -> None:
-        attention_kernel[(tiles.req.shape[0], H, splits)](
+        # One program per split, except in the batch-invariant mode, where the splits follow the
+        # host's bound on the keys: there each tile and head takes them in as many programs as fill
+        # the device attn_invariant_fill times, each program every so-many-th split (the merge
+        # order is the splits' own).
+        programs = splits
+        if layout.batch_invariant:
+            programs = min(splits, max(1, -(-want * cfg.attn_invariant_fill // (tiles.req.shape[0] * H))))
+        attention_kernel[(tiles.req.shape[0], H, programs)](
             q, k_layer, v_layer, out, mid_o, mid_lse,
             layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
             tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
             B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
-            k_layer.stride(0), sm_scale * _LOG2E, chunk,
+            k_layer.stride(0), sm_scale * _LOG2E, chunk, splits,
             Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part,
             IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),

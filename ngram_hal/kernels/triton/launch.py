@@ -22,6 +22,9 @@ class LaunchConfig:
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
+        attn_invariant_fill: in the batch-invariant mode, whose key splits are fixed and mostly
+            short or empty, a tile and head take their splits in as many programs as fill the device
+            this many times over (``attn_programs`` each time), up to one program per split.
         attn_min_split: fewest keys a split of the keys may hold (None: one step of the key loop
             for decode and tree verify, four otherwise).
         attn_invariant_keys: keys of every split in the batch-invariant mode, where a query's splits
@@ -82,6 +85,7 @@ class LaunchConfig:
     attn_programs: int | None = None
     attn_min_split: int | None = None
     attn_invariant_keys: int | None = 128
+    attn_invariant_fill: int = 4
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None

@@ -1,0 +1,139 @@
+"""A speculative step's attention in its captured shape: the default mode against the batch-invariant
+mode, and the invariant mode's programs per tile.
+
+A captured step bounds every request's keys by the request table's width (2048 positions, the
+engine's default), while the contexts hold a few hundred. In the batch-invariant mode the key
+splits sit at fixed positions (``LaunchConfig.attn_invariant_keys`` each), so the bound makes 16 of
+them, most past every context. The settings, each a ``cuda`` backend timed on the same calls, one
+layer, SmolLM2-135M heads (9 query, 3 KV, 64 wide), bf16, graph-replayed device time of the kernels
+alone (the layout is built once, as a step builds it for all its layers):
+
+- **default**: the default mode (the request's own keys shared evenly by the splits);
+- **invariant, one per split**: the batch-invariant mode, one program per split (empty ones too);
+- **invariant, fill 1**: its splits taken in as many programs as fill the device once
+  (``LaunchConfig.attn_programs``), each program every so-many-th split;
+- **invariant**: the mode as it runs, filling the device ``attn_invariant_fill`` times over;
+- **invariant, 64 / 256 keys**: the mode with splits of 64 or 256 keys (``attn_invariant_keys``;
+  other bits than 128);
+- **default, 4x programs**: the default mode splitting the keys for four times as many programs.
+
+The first three invariant settings must give the same bits, and the others the same values within
+bf16 rounding, before anything is timed. Cases: decode and random branching trees of 16 nodes at
+batch 1, 16 and 64, contexts drawn from 300-900 keys.
+
+    python bench/bench_attention_verify.py [--json reports/bench_attention_verify.json]
+    TRITON_INTERPRET=1 python bench/bench_attention_verify.py --device cpu --quick   # agreement only
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
+
+from ngram_hal.kernels.triton import interpreting  # noqa: E402
+from ngram_hal.kernels.triton.launch import num_programs_to_fill  # noqa: E402
+from ngram_hal_conformance.test_attention import attention_call  # noqa: E402
+from ngram_hal_cuda import CudaBackend  # noqa: E402
+
+WIDTH = 2048
+SETTINGS = ("default", "invariant, one per split", "invariant, fill 1", "invariant", "invariant, 64 keys",
+            "invariant, 256 keys", "default, 4x programs")
+
+
+def branching_tree(rng: random.Random, size: int) -> list[int]:
+    """Parents of a draft tree of ``size`` nodes: mostly a chain, some nodes branching off earlier."""
+    return [-1] + [i - 1 if rng.random() < 0.6 else rng.randrange(i) for i in range(1, size)]
+
+
+def call_args(batch: int, tree_size: int, device, dtype, seed: int, width: int, contexts: tuple[int, int]) -> dict:
+    """One layer's attention call: ``batch`` requests of ``tree_size`` queries (1: decode; more: a
+    branching tree), keys bounded by ``width``."""
+    rng = random.Random(seed)
+    kv_lens = [rng.randint(*contexts) for _ in range(batch)]
+    trees = None if tree_size == 1 else [branching_tree(rng, tree_size) for _ in range(batch)]
+    call = attention_call(rng, device, dtype, kv_lens=kv_lens, q_lens=[tree_size] * batch, heads=(9, 3),
+                          head_dim=64, trees=trees, extra_cols=width - max(kv_lens))
+    return {**call.args, "max_kv_len": width}
+
+
+def backends(device: str) -> dict[str, tuple[CudaBackend, bool]]:
+    """Each setting's backend and whether it runs the batch-invariant mode."""
+    base = CudaBackend(device=device)
+    fill = num_programs_to_fill(base.device)
+    overrides = ({}, {"attn_programs": 1 << 20}, {"attn_invariant_fill": 1}, {}, {"attn_invariant_keys": 64},
+                 {"attn_invariant_keys": 256}, {"attn_programs": 4 * fill})
+    made = {}
+    for name, changes in zip(SETTINGS, overrides):
+        backend = base if name == "default" else CudaBackend(device=device)
+        backend.launch = replace(base.launch, **changes)
+        made[name] = (backend, name.startswith("invariant"))
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--tree-sizes", default="1,16", metavar="D,...", help="queries per request (1: decode)")
+    parser.add_argument("--calls", type=int, default=30, help="calls per captured graph (a step's layers)")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="small shapes, agreement only")
+    parser.add_argument("--json", default="reports/bench_attention_verify.json")
+    args = parser.parse_args(argv)
+    settings = backends(args.device)
+    first = settings["default"][0]
+    dtype = torch.float32 if interpreting() else torch.bfloat16
+    width, contexts = (300, (20, 60)) if args.quick else (WIDTH, (300, 900))
+    batches = [3] if args.quick else [int(b) for b in args.batches.split(",")]
+    console = make_console()
+    table = make_table(f"attention of one layer, keys bounded by {width}, contexts {contexts[0]}-{contexts[1]}: "
+                       "graph-replayed us per call", ["case", *SETTINGS, "invariant / default"], left=["case"])
+    results = []
+    for batch in batches:
+        for tree_size in [int(n) for n in args.tree_sizes.split(",")]:
+            a = call_args(batch, tree_size, first.device, dtype, batch * 100 + tree_size, width, contexts)
+            case = f"{'decode' if tree_size == 1 else f'tree of {tree_size}'} B={batch}"
+            calls = {}
+            for name, (backend, invariant) in settings.items():
+                layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"],
+                                                  a["q_lens"], a["q"].shape[0], a["tree_mask"], a["max_kv_len"],
+                                                  batch_invariant=invariant)
+                calls[name] = lambda b=backend, layout=layout: b.attention(**a, layout=layout)
+            got = {name: fn() for name, fn in calls.items()}
+            for name in SETTINGS[2:4]:
+                if not torch.equal(got[name], got[SETTINGS[1]]):
+                    raise SystemExit(f"{case}: '{name}' and '{SETTINGS[1]}' differ")
+            err = max((got[name].float() - got["invariant"].float()).abs().max().item()
+                      for name in ("default", *SETTINGS[4:]))
+            if err > 0.02:
+                raise SystemExit(f"{case}: the default and invariant modes differ by {err:.3g}")
+            us = {name: None if args.quick else graph_ms(fn, first.device, args.calls, args.replays)
+                  for name, fn in calls.items()}
+            us = {name: None if ms is None else 1e3 * ms for name, ms in us.items()}
+            ratio = None if us["default"] is None else us["invariant"] / us["default"]
+            results.append({"case": case, "batch": batch, "tree_size": tree_size, "us": us,
+                            "invariant_over_default": ratio, "max_abs_diff": err})
+            table.add_row(case, *("-" if us[n] is None else f"{us[n]:.2f}" for n in SETTINGS),
+                          "-" if ratio is None else f"{ratio:.2f}x")
+    console.print(table)
+    report = {**report_header("ngram-hal/bench-attention-verify/1", first), "width": width,
+              "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."),
+              "settings": {name: {"attn_programs": b.launch.attn_programs, "batch_invariant": inv,
+                                  "attn_invariant_fill": b.launch.attn_invariant_fill,
+                                  "attn_invariant_keys": b.launch.attn_invariant_keys}
+                           for name, (b, inv) in settings.items()}, "results": results}
+    write_report(args.json, report, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,7 +45,7 @@ def test_an_exact_dequantization_is_recognised_and_nothing_else(fmt):
     assert quantize_exactly(dequantized(fmt, cols=96)[:, :80]) is None, "K not a multiple of the block"
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, KERNEL_ROWS, KERNEL_ROWS + 1, 100, 128, 129, 200])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, KERNEL_ROWS, KERNEL_ROWS + 1, 100, 128, 129, 200])
 def test_bit_for_bit_panel_linear(fmt, threads, rows):
     """Up to ``kernel_rows`` against PanelLinear's kernel (its batch-invariant mode past its own
     32 rows), past them both through torch.mm on the same panels."""

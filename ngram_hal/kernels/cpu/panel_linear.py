@@ -11,7 +11,7 @@ Layout: the ``[N, K]`` weight is stored as ``P = ceil(N / PANEL)`` panels of ``[
 contiguous block. Up to :data:`KERNEL_ROWS` rows a compiled kernel (numba) reads each panel
 from memory once and adds ``x[m, k] * panel[k, :]`` to the partial sums of row m, for k in order:
 
-* up to :data:`FEW_ROWS` rows, the ``[M, PANEL]`` partial sums stay in L1;
+* up to :attr:`PanelLinear.few_rows` rows, the ``[M, PANEL]`` partial sums stay in L1;
 * past that, the panel is walked in column strips of :data:`STRIP` and blocks of :data:`ROWS`
   rows (the input padded with zero rows), each block's ``[ROWS, STRIP]`` partial sums held in a
   stack buffer that the compiler keeps in registers.
@@ -143,6 +143,8 @@ class PanelLinear:
 
     kernel_rows = KERNEL_ROWS
     """The most rows the compiled kernel takes (past them BLAS, outside the batch-invariant mode)."""
+    few_rows = FEW_ROWS
+    """The most rows whose partial sums stay in L1 (past them, blocks of ROWS rows in registers)."""
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
@@ -182,7 +184,7 @@ class PanelLinear:
             for p in range(self.num_panels):
                 out[:, p * PANEL:(p + 1) * PANEL] = torch.mm(x, panels[p])
         else:
-            blocked = M > FEW_ROWS
+            blocked = M > self.few_rows
             rows = -(-M // ROWS) * ROWS if blocked else M
             if rows != M:
                 x = torch.cat([x, x.new_zeros(rows - M, self.in_features)])

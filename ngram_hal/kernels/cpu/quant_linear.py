@@ -194,6 +194,10 @@ class QuantPanelLinear(PanelLinear):
     kernel_rows = 128
     """Measured on the 2-core CPU, every projection of SmolLM2: the kernel 129 ms at 64 rows and
     243 at 128, decoding the panels for ``torch.mm`` 223 and 282."""
+    few_rows = 5
+    """Measured the same way: each weight decoded once for all rows, partial sums in L1, took
+    0.81-0.94x the row blocks' time (which decode it once a block) at 3-5 rows and 1.07x at 6, on
+    1 and 2 threads."""
 
     def __init__(self, fmt: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray, batch_invariant: bool = False):
         if fmt not in FORMATS:

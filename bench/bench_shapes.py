@@ -14,8 +14,12 @@ Reported per row: decode tok/s, ms per step, and for plain steps the weight-stre
 same run) and the fraction of it reached; for verify steps the cost of a step against a plain
 step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
 as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; the
-backend's default) and by the fixed rule, side by side. ``--transformers`` adds transformers' ``generate`` with a static cache on
-the same shape (its own random weights), batch 1. Targets from the real-shapes issue are checked
+backend's default) and by the fixed rule, side by side; ``--pdl on,off`` likewise with the layer
+kernels launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one
+after another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same
+shape (its own random weights), batch 1. ``--profile-steps N`` adds to each row, on CUDA, N decode
+steps under the profiler: kernels, launches and device time a step, and the costliest kernels
+(``bench/step_profile.py``). Targets from the real-shapes issue are checked
 and printed, never an exit code.
 
     python bench/bench_shapes.py --device cuda --shapes llama-1b,llama-8b --transformers
@@ -36,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, release_memory, report_header, write_json, write_report  # noqa: E402
+from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
 from ngram_hal.cli.run import DTYPES, int_list  # noqa: E402
@@ -49,12 +54,14 @@ from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
 
-def product_modes(text: str) -> list[str]:
-    """``table``, ``fixed`` or both, comma separated (argparse type)."""
-    modes = text.split(",")
-    if not modes or any(m not in ("table", "fixed") for m in modes) or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"expected table, fixed or table,fixed; got {text!r}")
-    return modes
+def modes(*choices: str):
+    """An argparse type: one or more of ``choices``, comma separated, each once."""
+    def parse(text: str) -> list[str]:
+        got = text.split(",")
+        if any(m not in choices for m in got) or len(set(got)) != len(got):
+            raise argparse.ArgumentTypeError(f"expected {' or '.join(choices)}, or several comma separated; got {text!r}")
+        return got
+    return parse
 
 
 def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, list[float]]:
@@ -88,15 +95,20 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
     if not triton and args.products not in (None, ["fixed"]):
         raise SystemExit(f"--products {','.join(args.products)}: the {model.backend.name} backend's model kernels "
                          "have no product table")
-    # The backend's own launch holds its GPU's product table, where it has one.
-    table = model.kernels.launch if triton else None
-    fixed = dataclasses.replace(table, products=None) if triton else None
-    modes = args.products or ["table" if table is not None and table.products is not None else "fixed"]
+    if not triton and args.pdl not in (None, ["off"]):
+        raise SystemExit(f"--pdl {','.join(args.pdl)}: the {model.backend.name} backend's model kernels "
+                         "launch without programmatic dependent launch")
+    # The backend's own launch holds its GPU's product table and launch mode.
+    launch = model.kernels.launch if triton else None
+    product_modes = args.products or ["table" if launch is not None and launch.products is not None else "fixed"]
+    pdl_modes = args.pdl or ["on" if launch is not None and launch.pdl else "off"]
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        for products in modes:
+        for products, pdl in ((p, d) for p in product_modes for d in pdl_modes):
             if triton:
-                model.kernels.launch = table if products == "table" else fixed
+                # The model's kernels and the backend's attention launch alike.
+                model.kernels.launch = model.backend.launch = dataclasses.replace(
+                    launch, products=launch.products if products == "table" else None, pdl=pdl == "on")
             plain_ms = None
             for tree_size in (1, args.tree_size):
                 config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always",
@@ -109,10 +121,13 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 seconds, steps, turns = decode_time(engine, prompts, args.new_tokens)
                 tokens = batch * (args.new_tokens - 1)
                 ms = 1e3 * seconds / max(steps, 1)
-                row = {"shape": name, "batch": batch, "tree_size": tree_size, "products": products,
+                row = {"shape": name, "batch": batch, "tree_size": tree_size, "products": products, "pdl": pdl,
                        "decode_tokens_per_s": tokens / seconds, "ms_per_step": ms, "steps": steps,
                        "turn_ms_median": 1e3 * statistics.median(turns) if turns else None,
                        "turn_ms_max": 1e3 * max(turns) if turns else None}
+                if args.profile_steps and model.device.type == "cuda":
+                    row["profile"] = profile_steps(engine, prompts, SamplingParams(
+                        max_new_tokens=args.new_tokens, ignore_eos=True), args.profile_steps)
                 if tree_size == 1:
                     plain_ms = ms
                     if bandwidth:
@@ -123,7 +138,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                 del engine
                 release_memory(model.device)
     if triton:
-        model.kernels.launch = table
+        model.kernels.launch = model.backend.launch = launch
     return rows
 
 
@@ -164,8 +179,9 @@ TARGETS = (("llama-8b", "plain decode, batch 1, share of the weight-streaming li
 
 
 def targets(rows: list[dict], tree_size: int) -> list[dict]:
-    """The issue's targets, measured where this run has the row (the first ``--products`` mode's)."""
-    rows = [r for r in rows if r["products"] == rows[0]["products"]] if rows else rows
+    """The issue's targets, measured where this run has the row (the first ``--products`` and
+    ``--pdl`` modes')."""
+    rows = [r for r in rows if (r["products"], r["pdl"]) == (rows[0]["products"], rows[0]["pdl"])] if rows else rows
     found = []
     for shape, what, goal in TARGETS:
         row = next((r for r in rows if r["shape"] == shape and r["batch"] == 1 and r["tree_size"] == 1), None)
@@ -192,12 +208,12 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
                       f"{s['streamed_bytes'] / 1e9:.2f}", "-" if peak is None else f"{peak / 1e9:.2f}")
     console.print(table)
     table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest)",
-                       ("shape", "B", "products", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
+                       ("shape", "B", "products", "pdl", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
                         "step / plain", "transformers tok/s"), left=("shape",))
     for r in rows:
         other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
                      None)
-        table.add_row(r["shape"], str(r["batch"]), r["products"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
+        table.add_row(r["shape"], str(r["batch"]), r["products"], r["pdl"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
                       f"{r['ms_per_step']:.3f}",
                       "-" if r["turn_ms_median"] is None else f"{r['turn_ms_median']:.2f} / {r['turn_ms_max']:.1f}",
                       f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
@@ -226,14 +242,22 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
-    parser.add_argument("--products", type=product_modes, default=None, metavar="table,fixed",
+    parser.add_argument("--products", type=modes("table", "fixed"), default=None, metavar="table,fixed",
                         help="the projections' products: the cuda backend's sweep table for this GPU, the fixed rule, "
                              "or both side by side (default: the backend's own, the table where it has one)")
+    parser.add_argument("--pdl", type=modes("on", "off"), default=None, metavar="on,off",
+                        help="the layer kernels launched early (programmatic dependent launch) or one after another, "
+                             "or both side by side (default: the backend's own)")
+    parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                        help="on CUDA, profile N decode steps of each row after its timed pass: kernels, launches and "
+                             "device time per step, the costliest kernels (default 0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (the first token comes from the prefill)")
+    if args.profile_steps < 0:
+        parser.error(f"argument --profile-steps: {args.profile_steps}: expected 0 or more")
     try:
         shapes = [load_shape(spec) for spec in args.shapes.split(",")]
     except ValueError as exc:

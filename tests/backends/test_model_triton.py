@@ -66,3 +66,17 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(products):
     one = alone.extend([(0, [3])])
     many = batched.extend([(1, [9]), (0, [3]), (2, [8])])
     assert_invariant(one[0], many[1], "request 0's decode logits alone and in a batch of three")
+
+
+def test_products_launch_early_up_to_the_weight_bound():
+    """With the launch's ``pdl``, a projection's product launches early when its weight holds at
+    most ``pdl_max_weight_bytes``; without ``pdl`` none does."""
+    backend = CudaBackend(device=DEVICE)
+    weights = random_weights(TINY, seed=5)
+    layer = LlamaModel(TINY, weights, backend, torch.float32).layers[0]
+    small, large = sorted((layer.wo, layer.w_gate_up), key=lambda linear: linear.weight.numel())
+    bound = small.weight.numel() * small.weight.element_size()
+    for pdl, want in ((True, [True, False]), (False, [False, False])):
+        backend.launch = dataclasses.replace(backend.launch, pdl=pdl, pdl_max_weight_bytes=bound)
+        kernels = LlamaModel(TINY, weights, backend, torch.float32).kernels
+        assert [kernels.pdl(small), kernels.pdl(large)] == want

@@ -50,36 +50,41 @@ ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_
                       req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
                       tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, path_ptr=I64P, B="i32", R="i32", M="i32", S="i32",
                       N="i32", stride_slot="i32", sm_scale_log2="fp32", chunk="i32", SPLITS="i32")
-# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path): SmolLM2 and Llama-8B heads; decode, tree verify
-# (also along each node's path: the batch-invariant mode), prefill.
+# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path, dtype): SmolLM2 and Llama-8B heads; decode,
+# tree verify (also along each node's path: the batch-invariant mode), prefill; float32 (IEEE products,
+# the conformance suite's) with a 64-node tree.
 ATTENTION_CASES = {
-    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False),
-    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 64, False, False),
-    "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True),
-    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False),
-    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False),
+    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, BF16P),
+    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 128, False, False, BF16P),
+    "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True, BF16P),
+    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False, BF16P),
+    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False, BF16P),
+    "tree 64 float32, 8/2x64": (8, 2, 64, 64, 16, 64, 64, True, False, F32P),
 }
-for name, (Hq, H, d, T, BQ, BM, BN, split, path) in ATTENTION_CASES.items():
-    KERNELS[f"attention {name}"] = ("triton.attention", "attention_kernel", ATTENTION_ARGS,
+for name, (Hq, H, d, T, BQ, BM, BN, split, path, dtype) in ATTENTION_CASES.items():
+    KERNELS[f"attention {name}"] = ("triton.attention", "attention_kernel",
+                                    dict(ATTENTION_ARGS, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype),
                                     dict(Hq=Hq, H=H, HEAD_DIM=d, TREE_D=T, BLOCK_Q=BQ, BLOCK_M=BM, BLOCK_N=BN,
-                                         BLOCK_D=d, SPLIT=split, EVEN=not path, PATH=path, IEEE=False, UPCAST=False), 4)
+                                         BLOCK_D=d, SPLIT=split, EVEN=not path, PATH=path, IEEE=dtype == F32P,
+                                         UPCAST=False, PDL=False), 4)
 KERNELS["attention merge"] = ("triton.attention", "merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, SPLITS="i32"),
-                              dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64), 4)
+                              dict(HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, PDL=False), 4)
 KERNELS["rms_norm"] = ("gpu.norm", "rms_norm_kernel", dict(x_ptr=BF16P, delta_ptr=BF16P, weight_ptr=BF16P,
                                                               out_ptr=BF16P, hidden="i32", eps="fp32"),
-                       dict(ADD=True, BLOCK=1024), 4)
+                       dict(ADD=True, BLOCK=1024, PDL=False), 4)
 KERNELS["rotary_store"] = ("gpu.rotary", "rotary_store_kernel",
                            dict(qkv_ptr=BF16P, pos_ptr=I64P, cos_sin_ptr=F32P, q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P,
                                 loc_ptr=I64P, max_pos="i32", num_slots="i32"),
-                           dict(HQ=9, H=3, HEAD_DIM=64, BLOCK_H=16, HALF=32), 4)
-KERNELS["swiglu"] = ("gpu.swiglu", "swiglu_kernel", dict(x_ptr=BF16P, out_ptr=BF16P, inter="i32"), dict(BLOCK=1024), 4)
+                           dict(HQ=9, H=3, HEAD_DIM=64, BLOCK_H=16, HALF=32, PDL=False), 4)
+KERNELS["swiglu"] = ("gpu.swiglu", "swiglu_kernel", dict(x_ptr=BF16P, out_ptr=BF16P, inter="i32"),
+                     dict(BLOCK=1024, PDL=False), 4)
 for norm, glu, add in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
     KERNELS[f"fused_linear norm {norm} glu {glu} add {add}"] = (
         "gpu.matmul", "linear_kernel",
         dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, M="i32", N="i32", K="i32", eps="fp32"),
         dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NORM_BLOCK=1024, IEEE=False,
-             UPCAST=False), 4)
+             UPCAST=False, PDL=False), 4)
 for live in (False, True):
     KERNELS[f"lookup live {live}"] = (
         "gpu.lookup", "lookup_kernel",
@@ -92,7 +97,8 @@ TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 
 def compile_all(target_name: str) -> dict:
     """Compile every kernel of ``KERNELS`` for ``target_name``; per kernel, the counts of 128-bit
-    global loads and stores in the NVIDIA assembly (None for another target)."""
+    global loads and stores and of grid-dependency waits in the NVIDIA assembly (None for another
+    target). On NVIDIA a kernel that takes ``PDL`` compiles once more with it on, as ``"NAME pdl"``."""
     import importlib
 
     import triton
@@ -102,7 +108,11 @@ def compile_all(target_name: str) -> dict:
     backend, arch, lanes = TARGETS[target_name]
     target = GPUTarget(backend, arch, lanes)
     out = {}
-    for name, (module, kernel, args, constexprs, warps) in KERNELS.items():
+    builds = [(name, *spec) for name, spec in KERNELS.items()]
+    if backend == "cuda":
+        builds += [(f"{name} pdl", module, kernel, args, dict(constexprs, PDL=True), warps)
+                   for name, (module, kernel, args, constexprs, warps) in KERNELS.items() if "PDL" in constexprs]
+    for name, module, kernel, args, constexprs, warps in builds:
         fn = getattr(importlib.import_module(f"ngram_hal.kernels.{module}"), kernel)
         names = fn.arg_names
         signature = {n: args.get(n, "constexpr") for n in names}
@@ -113,7 +123,8 @@ def compile_all(target_name: str) -> dict:
                                   options={"num_warps": max(1, warps * 32 // lanes)})
         ptx = compiled.asm.get("ptx")
         out[name] = None if ptx is None else {"v4_loads": ptx.count("ld.global.v4"),
-                                              "v4_stores": ptx.count("st.global.v4")}
+                                              "v4_stores": ptx.count("st.global.v4"),
+                                              "waits": ptx.count("griddepcontrol.wait")}
     return out
 
 
@@ -126,7 +137,12 @@ def test_kernels_compile(target):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(results) == set(KERNELS)
+    with_pdl = {f"{name} pdl" for name, spec in KERNELS.items() if "PDL" in spec[3]} if target == "sm_90" else set()
+    assert set(results) == set(KERNELS) | with_pdl
     if target == "sm_90":
         for name in ("store_kv", "move_kv registers", "move_kv scratch"):
             assert results[name]["v4_loads"] > 0 and results[name]["v4_stores"] > 0, (name, results[name])
+        # A kernel launched early waits for its predecessor; without PDL it holds no wait.
+        assert len(with_pdl) >= 10
+        for name in with_pdl:
+            assert results[name]["waits"] >= 1 and results[name.removesuffix(" pdl")]["waits"] == 0, name

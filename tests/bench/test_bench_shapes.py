@@ -25,6 +25,7 @@ def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert [s["shape"] for s in report["shapes"]] == ["tiny"] and report["dtype"] == "float32"
     assert [(r["batch"], r["tree_size"]) for r in report["runs"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert {(r["products"], r["pdl"]) for r in report["runs"]} == {("fixed", "off")}
     for row in report["runs"]:
         assert row["decode_tokens_per_s"] > 0 and row["steps"] >= 1
         assert ("step_vs_plain" in row) == (row["tree_size"] == 4)
@@ -41,3 +42,18 @@ def test_an_unknown_shape_is_a_usage_error(monkeypatch, capsys):
         bench_shapes.main(["--backend", "cpu", "--shapes", "llama-9b"])
     assert exit_.value.code == 2
     assert "shape 'llama-9b': neither a preset" in capsys.readouterr().err
+
+
+def test_launch_modes_the_backend_lacks_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_shapes
+
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    with pytest.raises(SystemExit, match="--pdl on,off: the cpu backend's model kernels launch without"):
+        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,off", "--json",
+                           str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exit_:
+        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,on"])
+    assert exit_.value.code == 2 and "expected on or off" in capsys.readouterr().err

@@ -11,9 +11,13 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 * Captured steps draft the device drafter's next chains in their graphs, as eager steps do after
   the step.
 * After warm-up, a run with graphs makes no hidden host sync.
+* The layer kernels launched early (programmatic dependent launch) give the tokens of serial
+  launches.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -92,6 +96,24 @@ def test_captured_steps_draft_what_eager_steps_draft(backend, prompts, alone):
         runs[graphs] = (ids, engine.stats.decode_steps, engine.stats.decode_tokens)
     assert runs[True] == runs[False]
     assert runs[True][2] > runs[True][1], "the prompts must accept drafts for this test to cover speculation"
+
+
+@gpu
+def test_dependent_launch_changes_no_token(backend, prompts):
+    """The layer kernels launched early (programmatic dependent launch, on sm_90 and later) wait for
+    the kernel before them: captured plain and verify steps give the tokens of serial launches."""
+    from ngram_hal_cuda import CudaBackend
+
+    if not backend.launch.pdl:
+        pytest.skip("the device predates programmatic dependent launch")
+    serial = CudaBackend()
+    serial.launch = dataclasses.replace(serial.launch, pdl=False)
+    runs = {}
+    for b in (backend, serial):
+        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=5)
+        assert model.kernels.launch.pdl == b.launch.pdl
+        runs[b.launch.pdl] = [_run(model, prompts, tree_size=d, drafter="device", graphs=True)[1] for d in (1, 8)]
+    assert runs[True] == runs[False]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,9 @@ PROXY_ENV = "NGRAM_HAL_CUDA_PROXY"
 # (without a table: the fixed rule, and one tiling for every row count). On the H200 the table's
 # decode steps took 0.85-1.04x the fixed rule's (docs/bench/h200-invariant/).
 PRODUCT_TABLES = Path(__file__).parent / "products"
+# Programmatic dependent launch (the model's layer kernels overlap each other's launch) needs
+# sm_90 (Hopper) or later.
+PDL_CAPABILITY = (9, 0)
 
 
 def _native() -> bool:
@@ -54,7 +57,8 @@ class CudaBackend(TritonHalOps, Backend):
             self.launch = replace(self.launch, attn_programs=64, attn_min_split=16, attn_invariant_keys=16)
         else:
             table = table_for(PRODUCT_TABLES, torch.cuda.get_device_name(self.device))
-            self.launch = replace(self.launch, products=table)
+            pdl = torch.cuda.get_device_capability(self.device) >= PDL_CAPABILITY
+            self.launch = replace(self.launch, products=table, pdl=pdl)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -29,7 +29,7 @@ class TritonLinear(DenseLinear):
         tiling = self.kernels.tiling(x.shape[0], self)
         if tiling is None:
             return super().__call__(x)
-        return matmul.fused_linear(x.contiguous(), self.weight, tiling=tiling)
+        return matmul.fused_linear(x.contiguous(), self.weight, tiling=tiling, pdl=self.kernels.pdl(self))
 
 
 class TritonLayerKernels(TorchLayerKernels):
@@ -45,7 +45,8 @@ class TritonLayerKernels(TorchLayerKernels):
     (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS` tiling). With ``batch_invariant`` every
     projection is a fused product: in the table's fastest fused tiling for the rows where its sweep
     found every tiling's bits equal (:func:`~ngram_hal.kernels.triton.products.choose_invariant`),
-    else in one tiling for every row count.
+    else in one tiling for every row count. Where the launch has ``pdl`` the kernels launch early
+    (:mod:`ngram_hal.kernels.triton.pdl`), the products only up to ``pdl_max_weight_bytes``.
     """
 
     def __init__(self, config: LlamaConfig, backend: Backend, dtype: torch.dtype, batch_invariant: bool = False):
@@ -72,8 +73,15 @@ class TritonLayerKernels(TorchLayerKernels):
             return None
         return self._matmul.SMALL_ROWS
 
+    def pdl(self, linear: Linear) -> bool:
+        """Whether ``linear``'s fused product launches early (programmatic dependent launch): with
+        the launch's ``pdl``, for weights of at most ``pdl_max_weight_bytes``."""
+        weight = linear.weight
+        return self.launch.pdl and weight.numel() * weight.element_size() <= self.launch.pdl_max_weight_bytes
+
     def norm(self, x, weight, delta=None):
-        return self._norm(x, self._ones if weight is None else weight, self.config.rms_norm_eps, delta)
+        return self._norm(x, self._ones if weight is None else weight, self.config.rms_norm_eps, delta,
+                          pdl=self.launch.pdl)
 
     def rope(self, positions):
         return positions
@@ -81,10 +89,10 @@ class TritonLayerKernels(TorchLayerKernels):
     def rope_store(self, rope, qkv, kv, layer, out_cache_loc):
         cfg = self.config
         return self._rotary(qkv, rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads,
-                            cfg.num_kv_heads)
+                            cfg.num_kv_heads, pdl=self.launch.pdl)
 
     def swiglu(self, gate_up):
-        return self._swiglu(gate_up)
+        return self._swiglu(gate_up, pdl=self.launch.pdl)
 
     def linear(self, weight):
         return TritonLinear(weight, self)
@@ -97,18 +105,19 @@ class TritonLayerKernels(TorchLayerKernels):
         tiling = self.tiling(x.shape[0], linear) if delta is None else None
         if tiling is None:
             return super().norm_linear(x, norm, linear, delta)
-        return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, tiling=tiling)
+        return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, tiling=tiling,
+                                         pdl=self.pdl(linear))
 
     def norm_swiglu(self, x, norm, linear, delta=None):
         tiling = self.tiling(x.shape[0], linear) if delta is None else None
         if tiling is None:
             return super().norm_swiglu(x, norm, linear, delta)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, glu=True,
-                                         tiling=tiling)
+                                         tiling=tiling, pdl=self.pdl(linear))
 
     def linear_add(self, y, linear, x):
         tiling = self.tiling(y.shape[0], linear)
         if tiling is None:
             return super().linear_add(y, linear, x)
-        self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling)
+        self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling, pdl=self.pdl(linear))
         return None

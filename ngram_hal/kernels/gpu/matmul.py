@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..triton.launch import interpreting
+from ..triton.pdl import await_previous, pdl_keywords
 from ..triton.products import Tiling
 
 
@@ -52,7 +53,8 @@ def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 def linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
                    NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -98,7 +100,7 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-                 residual: torch.Tensor | None = None, tiling: Tiling = INVARIANT) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, tiling: Tiling = INVARIANT, pdl: bool = False) -> torch.Tensor:
     """``y = f(x) @ weight.T`` with float32 accumulation, rounded to x's dtype; optionally
     ``residual += y`` in place.
 
@@ -117,6 +119,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
         tiling: the program tile, warps and stages (:data:`SMALL_ROWS`, :data:`INVARIANT` or a
             :class:`~ngram_hal.kernels.triton.products.ProductTable`'s choice for the weight's
             shape); one tiling for every row count keeps rows batch-invariant.
+        pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
     Returns:
         float[M, N]: y, or the updated ``residual``.
     """
@@ -137,7 +140,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
                              BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                              NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
                              UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
-                             num_stages=tiling.num_stages)
+                             num_stages=tiling.num_stages, **pdl_keywords(pdl))
     return out
 
 

@@ -6,9 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton.pdl import await_previous, pdl_keywords
+
 
 @triton.jit
-def rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -24,7 +28,8 @@ def rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, hidden, eps, ADD: tl.
     tl.store(out_ptr + row * hidden + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """``weight * rmsnorm(x)``; given ``delta``, first ``x += delta`` in place (the residual add).
 
     The norm is computed in float32, rounded to x's dtype, then scaled by ``weight`` (the order of
@@ -33,6 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     Args:
         x: float[N, hidden], contiguous (updated in place when ``delta`` is given).
         weight: float[hidden] of x's dtype. delta: float[N, hidden] like x, or None.
+        pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
     Returns:
         float[N, hidden] in x's dtype.
     """
@@ -44,5 +50,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     out = torch.empty_like(x)
     if N:
         rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, out, hidden, eps,
-                               ADD=delta is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=4)
+                               ADD=delta is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=4,
+                               **pdl_keywords(pdl))
     return out

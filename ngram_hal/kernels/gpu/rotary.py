@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton.pdl import await_previous, pdl_keywords
+
 
 @triton.jit
 def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_ptr, max_pos, num_slots,
                          HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+                         BLOCK_H: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
@@ -53,7 +56,8 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
 
 
 def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, out_cache_loc: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                 v_cache: torch.Tensor, out_cache_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 pdl: bool = False) -> torch.Tensor:
     """Rotate the queries and keys of N new tokens and write their K/V rows into one layer's cache.
 
     Rotation is "rotate half" (pairs ``i`` and ``i + d/2``) in float32, rounded once. Rows whose
@@ -65,6 +69,7 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
         positions: int64[N]. table: float32[P, d] from :func:`rope_table`.
         k_cache, v_cache: float[S + 1, H, d], one layer of the cache (contiguous).
         out_cache_loc: int64[N] slot of each token.
+        pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
     Returns:
         float[N, Hq, d] rotated queries in qkv's dtype.
     """
@@ -84,5 +89,6 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
     if N:
         rotary_store_kernel[(N,)](qkv, positions, table, q, k_cache, v_cache, out_cache_loc, table.shape[0],
                                    k_cache.shape[0] - 1, HQ=Hq, H=H, HEAD_DIM=d,
-                                   BLOCK_H=triton.next_power_of_2(Hq + H), HALF=d // 2, num_warps=4)
+                                   BLOCK_H=triton.next_power_of_2(Hq + H), HALF=d // 2, num_warps=4,
+                                   **pdl_keywords(pdl))
     return q

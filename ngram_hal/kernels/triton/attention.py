@@ -46,6 +46,7 @@ import triton.language as tl
 from ...layout import AttentionLayout
 from ...kv_cache import KVCache
 from .launch import LaunchConfig, interpreting, num_programs_to_fill
+from .pdl import await_previous, pdl_keywords
 
 _LOG2E = 1.4426950408889634
 
@@ -59,8 +60,9 @@ def attention_kernel(
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_req_ptr + tile)
@@ -145,8 +147,13 @@ def attention_kernel(
                         visible = in_range[None, :]
                     elif TREE_D > 0:
                         in_tree = (rel >= 0) & (rel < TREE_D)
-                        seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
-                                       mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :], other=0)
+                        seen = tl.zeros((BLOCK_M, BLOCK_N), tl.uint8)
+                        if n0 + BLOCK_N > prefix:
+                            # Only the blocks that reach the tree read its mask (before it, every
+                            # key is visible).
+                            seen = tl.load(tree_mask_ptr + (b * TREE_D + qi[:, None]) * TREE_D + rel,
+                                           mask=(row_ok & (qi < TREE_D))[:, None] & in_tree & key_ok[None, :],
+                                           other=0)
                         visible = (rel < 0) | (in_tree & (seen != 0))
                     else:
                         visible = rel <= qi[:, None]
@@ -186,8 +193,9 @@ def attention_kernel(
 
 @triton.jit
 def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[n, hq] = the splits' partial outputs weighted by their share of the softmax mass."""
+    await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < SPLITS
@@ -294,13 +302,14 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tiles = plan.tiles(block_q)
     num_tiles = tiles.req.shape[0]
     block_d = max(16, _pow2(d))
-    # One query per request (decode) reads more keys per step; never in the batch-invariant mode,
-    # where decode and verify must walk the keys in the same blocks.
+    # One query per request (decode) and tree verify read more keys per step and split like decode
+    # (bench/bench_attention_verify.py); never in the batch-invariant mode, where decode and verify
+    # must walk the keys in the same blocks and fixed chunks.
     decode = tree is None and per_req == 1 and not layout.batch_invariant
-    block_n = cfg.attn_block_n(d, q.element_size(), decode)
+    few_queries = decode or (tree is not None and not layout.batch_invariant)
+    block_n = cfg.attn_block_n(d, q.element_size(), few_queries)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
-    # Tree verify splits like decode, except in the batch-invariant mode (fixed chunks for every query).
-    min_split = cfg.attn_split_keys(block_n, decode or (tree is not None and not layout.batch_invariant))
+    min_split = cfg.attn_split_keys(block_n, few_queries)
     want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
     if layout.batch_invariant:
         # Key chunks at fixed positions: a query's reduction order depends on its own length only.
@@ -342,7 +351,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
             BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part,
             IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
-            **cfg.options())
+            **pdl_keywords(cfg.pdl), **cfg.options())
 
     if on_path and splits > 1:
         # The splits wholly before the tree hold keys every node sees at the positions a decode
@@ -355,7 +364,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         launch(tiles, on_path, 0)
     if splits > 1:
         merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
-                                 BLOCK_D=block_d, num_warps=cfg.num_warps, **cfg.options())
+                                 BLOCK_D=block_d, num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl),
+                                 **cfg.options())
     return out
 
 

@@ -34,8 +34,8 @@ class LaunchConfig:
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
-            keys per step, ``BLOCK_N``); decode programs (one query per request) read twice as
-            many per step.
+            keys per step, ``BLOCK_N``); decode and tree-verify programs (one tile of queries per
+            request) read twice as many per step.
         attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
         attn_even_split: outside the batch-invariant mode, share each request's own keys evenly
             by the splits the host's bound on the keys asks for (True), or cut that bound into
@@ -71,6 +71,13 @@ class LaunchConfig:
         products: the product each weight shape runs fastest on this device, by rows, as a sweep
             chose it (:class:`~ngram_hal.kernels.triton.products.ProductTable`); shapes it does
             not list follow the two fields above. None: no table.
+        pdl: launch the kernels of a model layer (products, norm, rotary, attention and its merge)
+            with programmatic dependent launch, each overlapping the end of the one before
+            (:mod:`ngram_hal.kernels.triton.pdl`; NVIDIA sm_90 and later only).
+        pdl_max_weight_bytes: with ``pdl``, the largest weight a product launched that way reads;
+            larger products launch one after another. (On an H200 every kernel launched early
+            made SmolLM2's decode steps 5-14 % faster and Llama-8B's 5-10 % slower, whose products
+            each fill the device: docs/h200.md.)
     """
 
     warp_size: int = 32
@@ -97,11 +104,13 @@ class LaunchConfig:
     fused_linear_rows: int = 64
     fused_linear_max_bytes: int = 16 << 20
     products: ProductTable | None = None
+    pdl: bool = False
+    pdl_max_weight_bytes: int = 16 << 20
 
-    def attn_block_n(self, head_dim: int, elt_bytes: int, decode: bool = False) -> int:
-        """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode),
-        16 to 128 keys."""
-        key_bytes = self.attn_key_bytes * (2 if decode else 1)
+    def attn_block_n(self, head_dim: int, elt_bytes: int, few_queries: bool = False) -> int:
+        """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode and
+        tree verify), 16 to 128 keys."""
+        key_bytes = self.attn_key_bytes * (2 if few_queries else 1)
         return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
 
     def attn_split_keys(self, block_n: int, few_queries: bool = False) -> int:
@@ -139,9 +148,9 @@ class LaunchConfig:
                 if value is not None and not isinstance(value, ProductTable):
                     raise ValueError(f"LaunchConfig.products: expected a ProductTable or None, got {value!r}")
                 continue
-            if f.name == "attn_even_split":
+            if f.name in ("attn_even_split", "pdl"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"LaunchConfig.attn_even_split: expected a bool, got {value!r}")
+                    raise ValueError(f"LaunchConfig.{f.name}: expected a bool, got {value!r}")
                 continue
             if f.name == "kernel_options":
                 if not all(isinstance(k, str) and isinstance(v, int) for k, v in value):

@@ -142,6 +142,11 @@ class TorchLayerKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row: float[K, V] -> int64[K], the lowest index of the row's
+        largest logit."""
+        return logits.argmax(-1)
+
     def linear(self, weight: torch.Tensor) -> Linear:
         """The linear layer the model runs over ``weight`` (float[N, K], on the device, in the
         model's dtype)."""

@@ -207,7 +207,7 @@ class LlamaModel:
         Returns:
             float32[K, V] logits of the rows ``batch.logits_index`` (float32[N, V] when None).
         """
-        logits = self._shard_logits(batch, kv)
+        logits = self._shard_logits(batch, kv).float()
         if self.tensor_parallel is None:
             return logits
         # Every rank's vocabulary shard, in rank order: [K, V / tp] -> [K, V].
@@ -223,15 +223,15 @@ class LlamaModel:
         so the lower id, on a tie)."""
         logits = self._shard_logits(batch, kv)
         if self.tensor_parallel is None:
-            return logits.argmax(-1)
-        best, token = logits.max(-1)
+            return self.kernels.argmax(logits)
+        best, token = logits.float().max(-1)
         token = token + self.backend.collective_rank() * logits.shape[-1]
         pairs = self.backend.all_gather(torch.stack([best.double(), token.double()]).unsqueeze(0))
         return pairs[:, 1].gather(0, pairs[:, 0].argmax(0, keepdim=True)).squeeze(0).long()
 
     def _shard_logits(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """float32[K, V / tp]: this rank's vocabulary shard of the returned rows' logits (all of
-        the vocabulary on one device)."""
+        """float[K, V / tp] in the model's dtype: this rank's vocabulary shard of the returned rows'
+        logits (all of the vocabulary on one device)."""
         self._check(batch)
         cfg, be = self.config, self.backend
         N = batch.input_ids.shape[0]
@@ -258,7 +258,7 @@ class LlamaModel:
         h = kernels.norm(x, self.norm, delta)
         if batch.logits_index is not None:
             h = h.index_select(0, batch.logits_index)
-        return self.lm_head(h).float()
+        return self.lm_head(h)
 
     def _row_parallel(self, y: torch.Tensor, linear, x: torch.Tensor) -> torch.Tensor | None:
         """The residual branch's last product of ``y``: as the kernels fuse it with the residual

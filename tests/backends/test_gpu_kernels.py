@@ -15,6 +15,7 @@ from numerics import assert_invariant
 pytest.importorskip("triton")
 from ngram_hal.engine.config import LlamaConfig  # noqa: E402
 from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rope_frequencies, rotary  # noqa: E402
+from ngram_hal.kernels.gpu.argmax import BLOCK, argmax  # noqa: E402
 from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
@@ -107,6 +108,21 @@ def test_fused_linear_norm_glu_and_residual(dtype, tiling):
     torch.testing.assert_close(residual.double(), before.double() + x.double() @ w.double().T, atol=tol * 4, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [7, BLOCK, 3 * BLOCK + 5, 49152], ids=lambda v: f"V{v}")
+def test_argmax_is_torchs(dtype, vocab):
+    """The lowest index of each row's largest logit, as ``torch.argmax``: ties within and across
+    blocks, a row of -inf, a NaN (larger than any number), the maximum in the last partial block."""
+    logits = _randn(6, vocab, dtype=dtype, seed=4)
+    logits[1, : vocab // 2] = logits[1].max() + 1
+    logits[2, [0, vocab - 1]] = torch.inf
+    logits[3] = -torch.inf
+    logits[4, vocab // 3] = torch.nan
+    logits[5, -1] = logits[5].max() + 1
+    assert torch.equal(argmax(logits).cpu(), logits.argmax(-1).cpu())
+    assert argmax(logits[:0]).shape == (0,)
+
+
 def test_wrappers_refuse_bad_shapes():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="rms_norm"):
@@ -120,3 +136,7 @@ def test_wrappers_refuse_bad_shapes():
         fused_linear(x, w, glu=True)
     with pytest.raises(ValueError, match="fused_linear: residual must be"):
         fused_linear(x, w, residual=torch.zeros(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="argmax: need contiguous float logits"):
+        argmax(x.t())
+    with pytest.raises(ValueError, match="argmax: the vocabulary must hold"):
+        argmax(torch.zeros(2, 0, device=DEVICE))

@@ -9,7 +9,7 @@ import torch
 
 from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
 from ..triton.products import Tiling, choose, choose_invariant
-from . import matmul, norm, rotary, swiglu
+from . import argmax, matmul, norm, rotary, swiglu
 
 if TYPE_CHECKING:
     from ...backend import Backend
@@ -93,6 +93,9 @@ class TritonLayerKernels(TorchLayerKernels):
 
     def swiglu(self, gate_up):
         return self._swiglu(gate_up, pdl=self.launch.pdl)
+
+    def argmax(self, logits):
+        return argmax.argmax(logits, pdl=self.launch.pdl)
 
     def linear(self, weight):
         return TritonLinear(weight, self)

@@ -71,8 +71,8 @@ class LaunchConfig:
         products: the product each weight shape runs fastest on this device, by rows, as a sweep
             chose it (:class:`~ngram_hal.kernels.triton.products.ProductTable`); shapes it does
             not list follow the two fields above. None: no table.
-        pdl: launch the kernels of a model layer (products, norm, rotary, attention and its merge)
-            with programmatic dependent launch, each overlapping the end of the one before
+        pdl: launch the model's kernels (products, norm, rotary, SwiGLU, attention and its merge,
+            the greedy argmax) with programmatic dependent launch, each overlapping the end of the one before
             (:mod:`ngram_hal.kernels.triton.pdl`; NVIDIA sm_90 and later only).
         pdl_max_weight_bytes: with ``pdl``, the largest weight a product launched that way reads;
             larger products launch one after another. (On an H200 every kernel launched early

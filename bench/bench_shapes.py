@@ -11,8 +11,10 @@ prefill is left out; the time between engine turns is kept too (median and slowe
 
 Reported per row: decode tok/s, ms per step, and for plain steps the weight-streaming limit
 (``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
-same run) and the fraction of it reached; for verify steps the cost of a step against a plain
-step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
+same run) and the fraction of it reached, and the roofline: the lower of the tokens per second
+that the copy bandwidth allows for a step's bytes (weights and the KV rows it reads) and that a
+bf16 matrix product's measured throughput allows for its operations, and the share of it reached;
+for verify steps the cost of a step against a plain step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
 as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; the
 backend's default) and by the fixed rule, side by side; ``--pdl on,off`` likewise with the layer
 kernels launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one
@@ -48,8 +50,8 @@ from ngram_hal.engine.config import EngineConfig  # noqa: E402
 from ngram_hal.engine.engine import Engine  # noqa: E402
 from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
-from ngram_hal.engine.shapes import (check_fits, load_shape, parameter_bytes, streamed_bytes,  # noqa: E402
-                                    streaming_limit)
+from ngram_hal.engine.shapes import (check_fits, load_shape, parameter_bytes, roofline,  # noqa: E402
+                                    streamed_bytes, streaming_limit)
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
@@ -84,12 +86,25 @@ def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tu
     return time.perf_counter() - start, engine.stats.decode_steps - steps, turns
 
 
-def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> list[dict]:
-    """The plain and verify rows of one shape, every batch size."""
+def profile_budget(args) -> int:
+    """New tokens a profiled request may take: more than ``2 * --profile-steps`` verify steps can
+    commit (each up to ``--tree-size`` + 1 tokens), so that none ends inside the profile."""
+    return 2 * args.profile_steps * (args.tree_size + 1) + 1
+
+
+def context_len(args) -> int:
+    """Cache positions one request may fill: its prompt, the larger of the timed and the profiled
+    new tokens, and room for a verify tree past them."""
+    return args.prompt_len + max(args.new_tokens, profile_budget(args)) + 3 * args.tree_size + 8
+
+
+def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None, flops: float | None) -> list[dict]:
+    """The plain and verify rows of one shape, every batch size; plain rows carry their limits
+    (``bandwidth`` in bytes and ``flops`` in operations per second, measured; None on the host)."""
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
-    context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
+    context = context_len(args)
     streamed = streamed_bytes(model.config, model.dtype)
     triton = isinstance(model.kernels, TritonLayerKernels)
     if not triton and args.products not in (None, ["fixed"]):
@@ -127,11 +142,15 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None) -> 
                        "turn_ms_max": 1e3 * max(turns) if turns else None}
                 if args.profile_steps and model.device.type == "cuda":
                     row["profile"] = profile_steps(engine, prompts, SamplingParams(
-                        max_new_tokens=args.new_tokens, ignore_eos=True), args.profile_steps)
+                        max_new_tokens=profile_budget(args), ignore_eos=True), args.profile_steps)
                 if tree_size == 1:
                     plain_ms = ms
                     if bandwidth:
                         row |= streaming_limit(streamed, bandwidth, batch, row["decode_tokens_per_s"])
+                        # Keys a request holds, averaged over the timed decode.
+                        keys = args.prompt_len + args.new_tokens // 2
+                        row |= roofline(model.config, model.dtype, batch, keys, bandwidth, flops,
+                                        row["decode_tokens_per_s"])
                 else:
                     row["step_vs_plain"] = ms / plain_ms
                 rows.append(row)
@@ -198,6 +217,13 @@ def targets(rows: list[dict], tree_size: int) -> list[dict]:
     return found
 
 
+def roof_cell(row: dict) -> str:
+    """The lower roof of a plain row and what sets it (m: bytes, c: operations), or "-"."""
+    if "bound_by" not in row:
+        return "-"
+    return f"{row[row['bound_by'] + '_roof_tokens_per_s']:,.0f} {row['bound_by'][0]}"
+
+
 def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: list[dict], console) -> None:
     table = make_table("shapes", ("shape", "layers", "hidden", "vocab", "weights GB", "streamed GB/token", "peak GB"),
                        left=("shape",))
@@ -209,7 +235,7 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
     console.print(table)
     table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest)",
                        ("shape", "B", "products", "pdl", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
-                        "step / plain", "transformers tok/s"), left=("shape",))
+                        "roof tok/s", "of roof", "step / plain", "transformers tok/s"), left=("shape",))
     for r in rows:
         other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
                      None)
@@ -218,6 +244,7 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
                       "-" if r["turn_ms_median"] is None else f"{r['turn_ms_median']:.2f} / {r['turn_ms_max']:.1f}",
                       f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
                       f"{r['fraction_of_limit']:.0%}" if "fraction_of_limit" in r else "-",
+                      roof_cell(r), f"{r['fraction_of_roofline']:.0%}" if "fraction_of_roofline" in r else "-",
                       f"{r['step_vs_plain']:.2f}x" if "step_vs_plain" in r else "-",
                       f"{other['transformers_tokens_per_s']:,.0f}" if other else "-")
     console.print(table)
@@ -266,8 +293,9 @@ def main(argv=None) -> None:
     device = backend.device
     dtype = DTYPES[args.dtype] or default_dtype(device)
     bandwidth = None if backend.runtime.is_host else backend.runtime.copy_bandwidth(args.copy_bytes)
+    flops = None if backend.runtime.is_host else backend.runtime.matmul_throughput(dtype=dtype)
     release_memory(device)
-    context = args.prompt_len + args.new_tokens + 3 * args.tree_size + 8
+    context = context_len(args)
     described, rows, hf = [], [], []
     console = make_console()
     for name, config in shapes:
@@ -276,7 +304,7 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         model = LlamaModel(config, random_weights(config, args.seed, device, dtype), backend, dtype)
         made_s = time.perf_counter() - start
-        rows += engine_rows(name, model, args, bandwidth)
+        rows += engine_rows(name, model, args, bandwidth, flops)
         console.print(f"{name}: {len(args.batch_sizes) * 2} engine rows in {time.perf_counter() - start:.0f} s")
         described.append({"shape": name, "config": config.model_dump(), "parameter_bytes": parameter_bytes(config, dtype),
                           "streamed_bytes": streamed_bytes(config, dtype), "weights_made_s": made_s,
@@ -287,17 +315,18 @@ def main(argv=None) -> None:
             hf.append(transformers_row(name, config, device, dtype, args))
             release_memory(device)
         # The report so far, so that a run stopped part way keeps the shapes it finished.
-        write_json(args.json, report(backend, args, dtype, bandwidth, described, rows, hf))
+        write_json(args.json, report(backend, args, dtype, bandwidth, flops, described, rows, hf))
     print_tables(described, rows, hf, targets(rows, args.tree_size), console)
-    write_report(args.json, report(backend, args, dtype, bandwidth, described, rows, hf), console)
+    write_report(args.json, report(backend, args, dtype, bandwidth, flops, described, rows, hf), console)
 
 
-def report(backend, args, dtype: torch.dtype, bandwidth: float | None, described: list[dict], rows: list[dict],
-           hf: list[dict]) -> dict:
+def report(backend, args, dtype: torch.dtype, bandwidth: float | None, flops: float | None, described: list[dict],
+           rows: list[dict], hf: list[dict]) -> dict:
     """The JSON report of the shapes measured so far."""
     return {**report_header("ngram-hal-bench-shapes/1", backend),
             "options": {k: v for k, v in vars(args).items() if k != "json"},
             "dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_bytes_per_s": bandwidth,
+            "matmul_flops_per_s": flops,
             "shapes": described, "runs": rows, "transformers": hf, "targets": targets(rows, args.tree_size)}
 
 

@@ -109,16 +109,29 @@ class Runtime:
         written): the median of ``repeats`` copies after two untimed ones."""
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)
+        return 2 * nbytes / self._median_seconds(lambda: dst.copy_(src), repeats)
+
+    def matmul_throughput(self, size: int = 8192, dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> float:
+        """Floating-point operations per second of a ``size`` x ``size`` x ``size`` matrix product in
+        ``dtype`` (``2 * size**3`` a product): the median of ``repeats`` products after two untimed
+        ones. The compute roof of a roofline, as :meth:`copy_bandwidth` is its memory roof."""
+        a = torch.randn(size, size, device=self.device).to(dtype)
+        b = torch.randn(size, size, device=self.device).to(dtype)
+        return 2 * size ** 3 / self._median_seconds(lambda: a @ b, repeats)
+
+    def _median_seconds(self, work, repeats: int) -> float:
+        """The median wall time of ``repeats`` calls of ``work`` (each drained on the device), after
+        two untimed ones."""
         for _ in range(2):
-            dst.copy_(src)
+            work()
         times = []
         for _ in range(repeats):
             self.synchronize()
             start = time.perf_counter()
-            dst.copy_(src)
+            work()
             self.synchronize()
             times.append(time.perf_counter() - start)
-        return 2 * nbytes / statistics.median(times)
+        return statistics.median(times)
 
     def hardware(self) -> dict[str, str | int | None]:
         """What the device is, for reports: ``name`` (:attr:`device_name`), ``architecture``

@@ -5,8 +5,9 @@ preset's name or a JSON file of :class:`~ngram_hal.engine.config.LlamaConfig` fi
 counts say what a shape costs: :func:`parameter_bytes` what its weights occupy,
 :func:`streamed_bytes` what one decode step reads of them (every projection and the LM head; the
 embedding rows a step gathers are negligible), whose ratio to the device's copy bandwidth bounds
-plain decoding at batch 1. :func:`check_fits` refuses a model and cache that cannot fit before
-anything is allocated.
+plain decoding at batch 1; :func:`roofline` bounds it at any batch by both the bytes (KV rows
+included) and the operations of a step. :func:`check_fits` refuses a model and cache that cannot
+fit before anything is allocated.
 """
 
 from __future__ import annotations
@@ -77,6 +78,32 @@ def streaming_limit(streamed: int, bandwidth: float, batch: int, tokens_per_s: f
     ``bandwidth`` in bytes per second) and the share of it that ``tokens_per_s`` reached."""
     limit = batch * bandwidth / streamed
     return {"limit_tokens_per_s": limit, "fraction_of_limit": tokens_per_s / limit}
+
+
+def step_work(config: LlamaConfig, dtype: torch.dtype, batch: int, context: int) -> tuple[float, float]:
+    """``(flops, bytes)`` of one plain decode step of ``batch`` requests whose keys number ``context``
+    each: two operations per weight and row (the norms' few weights counted alike, the LM head
+    included), four per query head, head dimension and key in attention (scores and the weighted
+    sum); the weights streamed once (:func:`streamed_bytes`) and every request's K and V rows read
+    once."""
+    weights = config.num_layers * _layer_parameters(config) + config.vocab_size * config.hidden_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    flops = 2 * batch * weights + 4 * config.num_layers * batch * context * q_size
+    kv_read = 2 * config.num_layers * batch * context * kv_size * dtype.itemsize
+    return float(flops), float(streamed_bytes(config, dtype) + kv_read)
+
+
+def roofline(config: LlamaConfig, dtype: torch.dtype, batch: int, context: int, bandwidth: float,
+             flops_per_s: float, tokens_per_s: float) -> dict[str, float | str]:
+    """Plain decoding's rooflines at ``batch`` requests of ``context`` keys: the tokens per second
+    the device's ``bandwidth`` (bytes per second) allows for a step's bytes and its ``flops_per_s``
+    for a step's operations (:func:`step_work`), which of the two binds, and the share of the
+    lower one that ``tokens_per_s`` reached."""
+    flops, nbytes = step_work(config, dtype, batch, context)
+    memory, compute = batch * bandwidth / nbytes, batch * flops_per_s / flops
+    bound = min(memory, compute)
+    return {"memory_roof_tokens_per_s": memory, "compute_roof_tokens_per_s": compute,
+            "bound_by": "memory" if memory <= compute else "compute", "fraction_of_roofline": tokens_per_s / bound}
 
 
 def tensor_parallel_bytes(config: LlamaConfig, dtype: torch.dtype, rows: int) -> int:

@@ -30,6 +30,7 @@ def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, monkeypatch):
         assert row["decode_tokens_per_s"] > 0 and row["steps"] >= 1
         assert ("step_vs_plain" in row) == (row["tree_size"] == 4)
     assert report["copy_bandwidth_bytes_per_s"] is None, "no weight-streaming limit on the host"
+    assert report["matmul_flops_per_s"] is None and not any("bound_by" in r for r in report["runs"])
     assert {t["target"].split(":")[0] for t in report["targets"]} == {"llama-1b", "llama-8b"}
     assert all(t["measured"] is None for t in report["targets"])
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ngram_hal.engine.model import LlamaModel, random_weights
-from ngram_hal.engine.shapes import (PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, streamed_bytes,
-                                    tensor_parallel_bytes)
+from ngram_hal.engine.config import LlamaConfig
+from ngram_hal.engine.shapes import (PRESETS, check_fits, kv_bytes, load_shape, parameter_bytes, roofline, step_work,
+                                    streamed_bytes, tensor_parallel_bytes)
 from ngram_hal.reference import CpuBackend
 
 
@@ -23,6 +24,30 @@ def test_the_presets_stream_the_weights_of_their_models():
     eight = PRESETS["llama-8b"]
     embed = eight.vocab_size * eight.hidden_size * 2
     assert parameter_bytes(eight, torch.bfloat16) == streamed_bytes(eight, torch.bfloat16) + embed
+
+
+def test_a_steps_work_counts_products_attention_and_kv_reads():
+    """One layer of hidden 4, two query heads and one KV head of dimension 2, intermediate 8, vocab 16:
+    4*(2*2 + 2*2) + 4*4 + 3*4*8 + 2*4 = 152 layer weights (its two norms counted), 64 in the head;
+    3 requests of 10 keys."""
+    cfg = LlamaConfig(vocab_size=16, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=2, max_position_embeddings=64)
+    flops, nbytes = step_work(cfg, torch.bfloat16, batch=3, context=10)
+    assert flops == 2 * 3 * (152 + 64) + 4 * 3 * 10 * 4
+    assert nbytes == streamed_bytes(cfg, torch.bfloat16) + 2 * 3 * 10 * 2 * 2
+
+
+def test_the_roofline_is_the_lower_roof_and_names_it():
+    cfg = PRESETS["llama-8b"]
+    flops, nbytes = step_work(cfg, torch.bfloat16, batch=1, context=512)
+    # Batch 1 at 4 TB/s and 800 TFLOP/s: bytes bind (about 15 GB a step against 16 GFLOP).
+    one = roofline(cfg, torch.bfloat16, 1, 512, 4e12, 8e14, tokens_per_s=200.0)
+    assert one["bound_by"] == "memory" and one["memory_roof_tokens_per_s"] == pytest.approx(4e12 / nbytes)
+    assert one["fraction_of_roofline"] == pytest.approx(200.0 * nbytes / 4e12)
+    # With a thousandth of the throughput the operations bind.
+    slow = roofline(cfg, torch.bfloat16, 1, 512, 4e12, 8e11, tokens_per_s=10.0)
+    assert slow["bound_by"] == "compute" and slow["compute_roof_tokens_per_s"] == pytest.approx(8e11 / flops)
+    assert slow["fraction_of_roofline"] == pytest.approx(10.0 * flops / 8e11)
 
 
 def test_parameter_bytes_counts_every_weight_of_a_model():

@@ -62,3 +62,4 @@ def test_peak_memory_and_copy_bandwidth_on_the_host():
     runtime.reset_peak_memory()
     assert runtime.peak_memory() is None
     assert runtime.copy_bandwidth(1 << 20, repeats=3) > 0
+    assert runtime.matmul_throughput(64, torch.float32, repeats=3) > 0

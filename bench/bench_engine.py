@@ -152,6 +152,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--products", choices=("table", "fixed"), default=None,
                         help="the projections' products: the cuda backend's sweep table for this GPU or the fixed "
                              "rule (default: the backend's own, the table where it has one)")
+    parser.add_argument("--pdl", choices=("on", "off"), default=None,
+                        help="the layer kernels launched early (programmatic dependent launch) or one after another "
+                             "(default: the backend's own, early on sm_90); serial launches give profiles whose "
+                             "kernel times do not overlap")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny matrix for a smoke test: batches 1,2, 3 tokens, D 4, two short prompts")
     parser.add_argument("--json", metavar="PATH", default="reports/bench_engine.json",
@@ -592,7 +596,7 @@ def bench(args: argparse.Namespace) -> int:
     console, status = make_console(), Console(stderr=True, soft_wrap=True)
     setup = Setup(args, status)
     backend, tokenizer = setup.backend, setup.tokenizer
-    products(setup.model, args.products)
+    launch_modes(setup.model, args)
     prompt_lens = {s.id: len(tokenizer.encode_chat(s.messages)) for s in specs}
     report = {**report_header(SCHEMA, backend), "setup": setup.describe(), "model": setup.path.name,
               "shape": setup.shape_report,
@@ -600,6 +604,7 @@ def bench(args: argparse.Namespace) -> int:
                           "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
                           "requests": args.requests, "quick": args.quick, "products": args.products,
+                          "pdl": args.pdl,
                           "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
@@ -619,7 +624,7 @@ def bench(args: argparse.Namespace) -> int:
             model, state, reason = setup.model, "ok", None
             if cfg.invariant:
                 invariant = invariant or load_invariant(setup, status)
-                products(invariant[0], args.products)
+                launch_modes(invariant[0], args)
                 model, state, reason = invariant
             if model is None:
                 row = not_run(cfg, batch, state, reason)
@@ -646,15 +651,23 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def products(model, choice: str | None) -> None:
-    """``model``'s Triton products by the backend's sweep table (``table``) or the fixed rule
-    (``fixed``); None leaves them as the backend chose."""
+def launch_modes(model, args: argparse.Namespace) -> None:
+    """``model``'s Triton launches as ``--products`` (the backend's sweep table or the fixed rule)
+    and ``--pdl`` (its layer kernels and attention launched early or one after another) ask; None
+    leaves the backend's choice. A CommandError where the backend cannot do what is asked."""
     launch = getattr(model.kernels, "launch", None) if model is not None else None
-    if choice is not None and launch is not None:
-        table = model.backend.launch.products if choice == "table" else None
-        if choice == "table" and table is None:
+    if args.products is not None and launch is not None:
+        table = model.backend.launch.products if args.products == "table" else None
+        if args.products == "table" and table is None:
             raise CommandError(f"--products table: the {model.backend.name} backend has no product table for this device")
-        model.kernels.launch = dataclasses.replace(launch, products=table)
+        launch = model.kernels.launch = dataclasses.replace(launch, products=table)
+    if args.pdl is not None and model is not None:
+        backend = model.backend
+        if args.pdl == "on" and not getattr(getattr(backend, "launch", None), "pdl", False):
+            raise CommandError(f"--pdl on: the {backend.name} backend does not launch kernels early on this device")
+        if launch is not None:
+            model.kernels.launch = dataclasses.replace(launch, pdl=args.pdl == "on")
+            backend.launch = dataclasses.replace(backend.launch, pdl=args.pdl == "on")
 
 
 def load_invariant(setup: Setup, status: Console) -> tuple:

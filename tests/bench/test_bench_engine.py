@@ -128,6 +128,16 @@ def test_seeded_sampling_counts_the_same_tokens(bench_engine, tmp_path):
     assert check["run"] == "invariant-spec4-device" and check["same"] == check["of"] > 0
 
 
+def test_early_launch_on_a_backend_without_it_is_an_error(bench_engine, capsys):
+    """``--pdl on`` where the backend never launches early names the backend; nothing is measured."""
+    try:
+        find_model_file()
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"model file not available: {exc}")
+    assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--pdl", "on"]) == 2
+    assert "error: --pdl on: the cpu backend does not launch kernels early on this device" in capsys.readouterr().err
+
+
 def test_unknown_run_is_an_error_before_anything_loads(bench_engine, capsys):
     assert bench_engine.main(["--backend", "cpu", "--runs", "plain,spec9", "--tree-sizes", "8"]) == 2
     err = capsys.readouterr().err

@@ -14,9 +14,10 @@ Reported per row: decode tok/s, ms per step, and for plain steps the weight-stre
 same run) and the fraction of it reached, and the roofline: the lower of the tokens per second
 that the copy bandwidth allows for a step's bytes (weights and the KV rows it reads) and that a
 bf16 matrix product's measured throughput allows for its operations, and the share of it reached;
-for verify steps the cost of a step against a plain step at the same batch. ``--products table,fixed`` runs each batch twice, the projections' products
-as the cuda backend's sweep table for this GPU chose them (``bench/bench_products.py``; the
-backend's default) and by the fixed rule, side by side; ``--pdl on,off`` likewise with the layer
+for verify steps the cost of a step against a plain step at the same batch. ``--products
+table,fixed`` runs each batch twice, the projections' products as the cuda backend's sweep table
+for this GPU chose them (``bench/bench_products.py``; the backend's default) and by the fixed
+rule, side by side; ``--pdl on,off`` likewise with the layer
 kernels launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one
 after another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same
 shape (its own random weights), batch 1. ``--profile-steps N`` adds to each row, on CUDA, N decode
@@ -233,7 +234,8 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
                       str(s["config"]["vocab_size"]), f"{s['parameter_bytes'] / 1e9:.2f}",
                       f"{s['streamed_bytes'] / 1e9:.2f}", "-" if peak is None else f"{peak / 1e9:.2f}")
     console.print(table)
-    table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest)",
+    table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest; roof: the lower "
+                       "roofline, m set by bytes, c by operations)",
                        ("shape", "B", "products", "pdl", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
                         "roof tok/s", "of roof", "step / plain", "transformers tok/s"), left=("shape",))
     for r in rows:

@@ -656,11 +656,12 @@ def launch_modes(model, args: argparse.Namespace) -> None:
     and ``--pdl`` (its layer kernels and attention launched early or one after another) ask; None
     leaves the backend's choice. A CommandError where the backend cannot do what is asked."""
     launch = getattr(model.kernels, "launch", None) if model is not None else None
-    if args.products is not None and launch is not None:
-        table = model.backend.launch.products if args.products == "table" else None
-        if args.products == "table" and table is None:
+    if args.products is not None and model is not None:
+        table = getattr(getattr(model.backend, "launch", None), "products", None) if args.products == "table" else None
+        if args.products == "table" and (table is None or launch is None):
             raise CommandError(f"--products table: the {model.backend.name} backend has no product table for this device")
-        launch = model.kernels.launch = dataclasses.replace(launch, products=table)
+        if launch is not None:
+            launch = model.kernels.launch = dataclasses.replace(launch, products=table)
     if args.pdl is not None and model is not None:
         backend = model.backend
         if args.pdl == "on" and not getattr(getattr(backend, "launch", None), "pdl", False):

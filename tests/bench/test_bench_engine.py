@@ -128,14 +128,17 @@ def test_seeded_sampling_counts_the_same_tokens(bench_engine, tmp_path):
     assert check["run"] == "invariant-spec4-device" and check["same"] == check["of"] > 0
 
 
-def test_early_launch_on_a_backend_without_it_is_an_error(bench_engine, capsys):
-    """``--pdl on`` where the backend never launches early names the backend; nothing is measured."""
+def test_launch_modes_a_backend_lacks_are_errors(bench_engine, capsys):
+    """``--pdl on`` where the backend never launches early, and ``--products table`` where it has no
+    product table, name the backend; nothing is measured."""
     try:
         find_model_file()
     except (FileNotFoundError, OSError) as exc:
         pytest.skip(f"model file not available: {exc}")
     assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--pdl", "on"]) == 2
     assert "error: --pdl on: the cpu backend does not launch kernels early on this device" in capsys.readouterr().err
+    assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--products", "table"]) == 2
+    assert "error: --products table: the cpu backend has no product table for this device" in capsys.readouterr().err
 
 
 def test_unknown_run_is_an_error_before_anything_loads(bench_engine, capsys):

@@ -655,20 +655,22 @@ def launch_modes(model, args: argparse.Namespace) -> None:
     """``model``'s Triton launches as ``--products`` (the backend's sweep table or the fixed rule)
     and ``--pdl`` (its layer kernels and attention launched early or one after another) ask; None
     leaves the backend's choice. A CommandError where the backend cannot do what is asked."""
-    launch = getattr(model.kernels, "launch", None) if model is not None else None
-    if args.products is not None and model is not None:
-        table = getattr(getattr(model.backend, "launch", None), "products", None) if args.products == "table" else None
+    if model is None:
+        return
+    backend, launch = model.backend, getattr(model.kernels, "launch", None)
+    backend_launch = getattr(backend, "launch", None)
+    if args.products is not None:
+        table = getattr(backend_launch, "products", None) if args.products == "table" else None
         if args.products == "table" and (table is None or launch is None):
-            raise CommandError(f"--products table: the {model.backend.name} backend has no product table for this device")
+            raise CommandError(f"--products table: the {backend.name} backend has no product table for this device")
         if launch is not None:
             launch = model.kernels.launch = dataclasses.replace(launch, products=table)
-    if args.pdl is not None and model is not None:
-        backend = model.backend
-        if args.pdl == "on" and not getattr(getattr(backend, "launch", None), "pdl", False):
+    if args.pdl is not None:
+        if args.pdl == "on" and not getattr(backend_launch, "pdl", False):
             raise CommandError(f"--pdl on: the {backend.name} backend does not launch kernels early on this device")
         if launch is not None:
             model.kernels.launch = dataclasses.replace(launch, pdl=args.pdl == "on")
-            backend.launch = dataclasses.replace(backend.launch, pdl=args.pdl == "on")
+            backend.launch = dataclasses.replace(backend_launch, pdl=args.pdl == "on")
 
 
 def load_invariant(setup: Setup, status: Console) -> tuple:

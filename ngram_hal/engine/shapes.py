@@ -65,11 +65,15 @@ def parameter_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     return total * dtype.itemsize
 
 
+def _product_parameters(config: LlamaConfig) -> int:
+    """Weights a decode step multiplies its rows by: every layer's (norms included) and the LM head."""
+    return config.num_layers * _layer_parameters(config) + config.vocab_size * config.hidden_size
+
+
 def streamed_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     """Bytes of weights one decode step reads: every layer's projections and norms, the final
     norm and the LM head."""
-    total = config.num_layers * _layer_parameters(config) + config.vocab_size * config.hidden_size
-    return (total + config.hidden_size) * dtype.itemsize
+    return (_product_parameters(config) + config.hidden_size) * dtype.itemsize
 
 
 def streaming_limit(streamed: int, bandwidth: float, batch: int, tokens_per_s: float) -> dict[str, float]:
@@ -86,9 +90,8 @@ def step_work(config: LlamaConfig, dtype: torch.dtype, batch: int, context: int)
     included), four per query head, head dimension and key in attention (scores and the weighted
     sum); the weights streamed once (:func:`streamed_bytes`) and every request's K and V rows read
     once."""
-    weights = config.num_layers * _layer_parameters(config) + config.vocab_size * config.hidden_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    flops = 2 * batch * weights + 4 * config.num_layers * batch * context * q_size
+    flops = 2 * batch * _product_parameters(config) + 4 * config.num_layers * batch * context * q_size
     kv_read = 2 * config.num_layers * batch * context * kv_size * dtype.itemsize
     return float(flops), float(streamed_bytes(config, dtype) + kv_read)
 

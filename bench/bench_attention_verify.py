@@ -12,13 +12,21 @@ alone (the layout is built once, as a step builds it for all its layers):
 - **invariant, one per split**: the batch-invariant mode, one program per split (empty ones too);
 - **invariant, fill 1**: its splits taken in as many programs as fill the device once
   (``LaunchConfig.attn_programs``), each program every so-many-th split;
-- **invariant**: the mode as it runs, filling the device ``attn_invariant_fill`` times over;
+- **invariant**: the mode as it runs: where a call's tiles x heads fill at least half the device,
+  one program per tile and head walks every split and folds their results as it goes (no merge
+  launch), else the splits are taken in programs that fill the device ``attn_invariant_fill`` times
+  over;
+- **invariant, never folded** / **folded from 1/8 fill**: the fold never, or from an eighth of the
+  device (``attn_invariant_fold`` None, 8);
 - **invariant, 64 / 256 keys**: the mode with splits of 64 or 256 keys (``attn_invariant_keys``;
   other bits than 128);
-- **default, 4x programs**: the default mode splitting the keys for four times as many programs.
+- **default, 4x programs**: the default mode splitting the keys for four times as many programs;
+- **invariant, 64-row tiles**: the mode with taller tiles (``attn_invariant_block_m``; other bits
+  than one query's heads where the height changes the products' instructions), which hold more of a
+  tree's nodes: fewer tiles read the keys before the tree.
 
-The first three invariant settings must give the same bits, and the others the same values within
-bf16 rounding, before anything is timed. Cases: decode and random branching trees of 16 nodes at
+The invariant settings that keep the splits (:data:`SAME_BITS`) must give the same bits, and the
+others the same values within bf16 rounding, before anything is timed. Cases: decode and random branching trees of 16 nodes at
 batch 1, 16 and 64, contexts drawn from 300-900 keys.
 
     python bench/bench_attention_verify.py [--json reports/bench_attention_verify.json]
@@ -45,8 +53,11 @@ from ngram_hal_conformance.test_attention import attention_call  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
 WIDTH = 2048
-SETTINGS = ("default", "invariant, one per split", "invariant, fill 1", "invariant", "invariant, 64 keys",
-            "invariant, 256 keys", "default, 4x programs")
+SETTINGS = ("default", "invariant, one per split", "invariant, fill 1", "invariant", "invariant, never folded",
+            "invariant, folded from 1/8 fill", "invariant, 64 keys", "invariant, 256 keys", "default, 4x programs",
+            "invariant, 64-row tiles")
+SAME_BITS = SETTINGS[1:6]
+"""The settings that take the same splits in other programs: bit for bit the same results."""
 
 
 def branching_tree(rng: random.Random, size: int) -> list[int]:
@@ -69,8 +80,9 @@ def backends(device: str) -> dict[str, tuple[CudaBackend, bool]]:
     """Each setting's backend and whether it runs the batch-invariant mode."""
     base = CudaBackend(device=device)
     fill = num_programs_to_fill(base.device)
-    overrides = ({}, {"attn_programs": 1 << 20}, {"attn_invariant_fill": 1}, {}, {"attn_invariant_keys": 64},
-                 {"attn_invariant_keys": 256}, {"attn_programs": 4 * fill})
+    overrides = ({}, {"attn_programs": 1 << 20}, {"attn_invariant_fill": 1}, {}, {"attn_invariant_fold": None},
+                 {"attn_invariant_fold": 8}, {"attn_invariant_keys": 64}, {"attn_invariant_keys": 256},
+                 {"attn_programs": 4 * fill}, {"attn_invariant_block_m": 64})
     made = {}
     for name, changes in zip(SETTINGS, overrides):
         backend = base if name == "default" else CudaBackend(device=device)
@@ -109,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   batch_invariant=invariant)
                 calls[name] = lambda b=backend, layout=layout: b.attention(**a, layout=layout)
             got = {name: fn() for name, fn in calls.items()}
-            for name in SETTINGS[2:4]:
-                if not torch.equal(got[name], got[SETTINGS[1]]):
-                    raise SystemExit(f"{case}: '{name}' and '{SETTINGS[1]}' differ")
+            for name in SAME_BITS[1:]:
+                if not torch.equal(got[name], got[SAME_BITS[0]]):
+                    raise SystemExit(f"{case}: '{name}' and '{SAME_BITS[0]}' differ")
             err = max((got[name].float() - got["invariant"].float()).abs().max().item()
-                      for name in ("default", *SETTINGS[4:]))
+                      for name in SETTINGS if name not in SAME_BITS)
             if err > 0.02:
                 raise SystemExit(f"{case}: the default and invariant modes differ by {err:.3g}")
             us = {name: None if args.quick else graph_ms(fn, first.device, args.calls, args.replays)
@@ -129,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
               "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."),
               "settings": {name: {"attn_programs": b.launch.attn_programs, "batch_invariant": inv,
                                   "attn_invariant_fill": b.launch.attn_invariant_fill,
-                                  "attn_invariant_keys": b.launch.attn_invariant_keys}
+                                  "attn_invariant_keys": b.launch.attn_invariant_keys,
+                                  "attn_invariant_fold": b.launch.attn_invariant_fold,
+                                  "attn_invariant_block_m": b.launch.attn_invariant_block_m}
                            for name, (b, inv) in settings.items()}, "results": results}
     write_report(args.json, report, console)
     return 0

@@ -156,6 +156,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the layer kernels launched early (programmatic dependent launch) or one after another "
                              "(default: the backend's own, early on sm_90); serial launches give profiles whose "
                              "kernel times do not overlap")
+    parser.add_argument("--launch", type=launch_settings, default={}, metavar="FIELD=VALUE,...",
+                        help="override fields of the Triton launch configuration (LaunchConfig: an int, true, "
+                             "false or none each), e.g. attn_invariant_block_m=64, to compare settings")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny matrix for a smoke test: batches 1,2, 3 tokens, D 4, two short prompts")
     parser.add_argument("--json", metavar="PATH", default="reports/bench_engine.json",
@@ -174,6 +177,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # (where a run names no other).
     args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", DEFAULT_NUM_SLOTS
     return args
+
+
+def launch_settings(text: str) -> dict[str, int | bool | None]:
+    """``--launch``'s ``FIELD=VALUE,...``: each value an int, true, false or none."""
+    settings: dict[str, int | bool | None] = {}
+    for item in text.split(","):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        word = value.lower()
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE")
+        if word in ("true", "false", "none"):
+            settings[name] = None if word == "none" else word == "true"
+            continue
+        try:
+            settings[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected an int, true, false or none") from None
+    return settings
 
 
 def selected_configs(args: argparse.Namespace) -> list[RunConfig]:
@@ -604,7 +625,7 @@ def bench(args: argparse.Namespace) -> int:
                           "tree_sizes": args.tree_sizes, "profile_steps": args.profile_steps,
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
                           "requests": args.requests, "quick": args.quick, "products": args.products,
-                          "pdl": args.pdl,
+                          "pdl": args.pdl, "launch": args.launch,
                           "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
@@ -652,13 +673,25 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def launch_modes(model, args: argparse.Namespace) -> None:
-    """``model``'s Triton launches as ``--products`` (the backend's sweep table or the fixed rule)
-    and ``--pdl`` (its layer kernels and attention launched early or one after another) ask; None
-    leaves the backend's choice. A CommandError where the backend cannot do what is asked."""
+    """``model``'s Triton launches as ``--launch`` (fields of the launch configuration), ``--products``
+    (the backend's sweep table or the fixed rule) and ``--pdl`` (its layer kernels and attention
+    launched early or one after another) ask; None leaves the backend's choice. A CommandError where
+    the backend cannot do what is asked."""
     if model is None:
         return
     backend, launch = model.backend, getattr(model.kernels, "launch", None)
     backend_launch = getattr(backend, "launch", None)
+    if args.launch:
+        if launch is None or backend_launch is None:
+            raise CommandError(f"--launch: the {backend.name} backend has no Triton launch configuration")
+        for name in args.launch:
+            if name in ("products", "pdl") or name not in {f.name for f in dataclasses.fields(backend_launch)}:
+                raise CommandError(f"--launch {name}: no such LaunchConfig field (--products and --pdl set those two)")
+        try:
+            launch = model.kernels.launch = dataclasses.replace(launch, **args.launch)
+            backend_launch = backend.launch = dataclasses.replace(backend_launch, **args.launch)
+        except ValueError as exc:
+            raise CommandError(f"--launch: {exc}") from None
     if args.products is not None:
         table = getattr(backend_launch, "products", None) if args.products == "table" else None
         if args.products == "table" and (table is None or launch is None):

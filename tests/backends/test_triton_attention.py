@@ -134,24 +134,31 @@ def _invariant(backend, a, **changes):
     return backend.attention(**a, layout=layout)
 
 
+@pytest.mark.parametrize("block_m", [None, 64], ids=lambda m: f"{m or 'least'}-rows")
 @pytest.mark.parametrize("programs", [1, 40, 4096], ids=lambda p: f"{p}-programs")
 @pytest.mark.parametrize("name", ["tree", "tree-deep", "decode"])
-def test_invariant_matches_dense(name, programs):
+def test_invariant_matches_dense(name, programs, block_m):
+    """The batch-invariant mode against dense attention, with tiles of one query's heads or 64 rows
+    (``attn_invariant_block_m``: a tile then holds 32 of a tree's nodes)."""
     call = attention_call(random.Random(name), DEVICE, torch.float32, heads=(6, 2), poison=True, spare_slots=6,
                           extra_cols=300, **CASES[name])
     a = call.args
     want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
                            a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
-    torch.testing.assert_close(_invariant(_backend(True, programs), a).cpu().double(), want, atol=1e-5, rtol=1e-5)
+    backend = _backend(True, programs)
+    backend.launch = replace(backend.launch, attn_invariant_block_m=block_m)
+    torch.testing.assert_close(_invariant(backend, a).cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["tree", "decode"])
 def test_invariant_bits_do_not_follow_the_programs(name):
     """Batch-invariant mode: the key splits sit at fixed positions and merge in their own order, so
     taking them in one program per tile and head, in two (every other split), or one each gives the
-    same bits. The table's width (300 more columns: 3 splits of 128 keys) makes splits past every
-    context, which the programs must mark empty. Filling 16 or 40 programs gives the decode's 8
-    tiles x heads 2 and 3 programs each, the tree's 20 node tiles x heads 1 and 2."""
+    same bits, and so does one program that folds them as it walks them (where tiles x heads fill
+    at least half the device: 1 and 16 programs to fill for the decode's 8 tiles x heads, 1 for the
+    tree). The table's width (300 more columns: 3 splits of 128 keys) makes splits past every
+    context, which the programs must mark empty. Filling 40 programs gives the decode's 8 tiles x
+    heads 3 programs each, the tree's 20 node tiles x heads 2."""
     a = attention_call(random.Random(f"programs-{name}"), DEVICE, torch.bfloat16, heads=(6, 2),
                        extra_cols=300, **CASES[name]).args
     one_each = _invariant(_backend(True, 4096), a)
@@ -159,7 +166,7 @@ def test_invariant_bits_do_not_follow_the_programs(name):
         assert_invariant(_invariant(_backend(True, programs), a), one_each, f"{programs} programs to fill")
 
 
-@pytest.mark.parametrize("programs", [40, 4096], ids=lambda p: f"{p}-programs")
+@pytest.mark.parametrize("programs", [1, 40, 4096], ids=lambda p: f"{p}-programs")
 @pytest.mark.parametrize("prefix", [29, 300], ids=["one-split", "splits-before-the-tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix, programs):
@@ -167,7 +174,9 @@ def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix, programs)
     once its path (its ancestors, then itself) has been accepted, i.e. moved to the positions right
     after the prefix, whatever other branches the tree had. With a long prefix the key splits
     wholly before the tree are read by one tile of all the nodes, the rest node by node. The tree
-    takes its splits in ``programs`` per tile, the decodes one program per split."""
+    takes its splits in ``programs`` per tile (1: its tiles fill the device, so one program per tile
+    and head folds them all, the nodes on from where the first launch left them), the decodes one
+    program per split and a merge."""
     parents = [-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8]
     D = len(parents)
     call = attention_call(random.Random("path"), DEVICE, dtype, heads=(6, 2), kv_lens=[prefix + D], q_lens=[D],

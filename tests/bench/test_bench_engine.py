@@ -141,6 +141,37 @@ def test_launch_modes_a_backend_lacks_are_errors(bench_engine, capsys):
     assert "error: --products table: the cpu backend has no product table for this device" in capsys.readouterr().err
 
 
+def test_launch_overrides_replace_fields_of_both_launch_configurations(bench_engine, capsys):
+    """``--launch FIELD=VALUE,...`` replaces those fields in the backend's and the model kernels'
+    launch configurations; an unknown field, a bad value or a backend without Triton launches is a
+    CommandError naming it, and nothing is changed."""
+    from types import SimpleNamespace
+
+    from ngram_hal.cli import CommandError
+    from ngram_hal.kernels.triton.launch import LaunchConfig
+
+    args = bench_engine.parse_args(["--launch", "attn_invariant_block_m=64, attn_warps=none,attn_even_split=false"])
+    assert args.launch == {"attn_invariant_block_m": 64, "attn_warps": None, "attn_even_split": False}
+    model = SimpleNamespace(backend=SimpleNamespace(name="triton", launch=LaunchConfig()),
+                            kernels=SimpleNamespace(launch=LaunchConfig(attn_block_m=32)))
+    bench_engine.launch_modes(model, args)
+    assert model.backend.launch.attn_invariant_block_m == model.kernels.launch.attn_invariant_block_m == 64
+    assert model.kernels.launch.attn_block_m == 32 and model.backend.launch.attn_even_split is False
+    for bad, message in ((["--launch", "attn_invariant_block_m=48"], "expected a power of two, got 48"),
+                         (["--launch", "attn_nothing=1"], "--launch attn_nothing: no such LaunchConfig field"),
+                         (["--launch", "pdl=true"], "--launch pdl: no such LaunchConfig field")):
+        before = (model.backend.launch, model.kernels.launch)
+        with pytest.raises(CommandError, match=message):
+            bench_engine.launch_modes(model, bench_engine.parse_args(bad))
+        assert (model.backend.launch, model.kernels.launch) == before
+    with pytest.raises(CommandError, match="the cpu backend has no Triton launch configuration"):
+        bench_engine.launch_modes(SimpleNamespace(backend=SimpleNamespace(name="cpu"), kernels=None),
+                                  bench_engine.parse_args(["--launch", "attn_warps=4"]))
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--launch", "attn_warps=four"])
+    assert "'attn_warps=four': expected an int, true, false or none" in capsys.readouterr().err
+
+
 def test_unknown_run_is_an_error_before_anything_loads(bench_engine, capsys):
     assert bench_engine.main(["--backend", "cpu", "--runs", "plain,spec9", "--tree-sizes", "8"]) == 2
     err = capsys.readouterr().err

@@ -51,16 +51,35 @@ from .pdl import await_previous, pdl_keywords
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def fold_split(run_m, run_w, run_o, lse, o):
+    """Fold one key split's result into the running result of the splits before it, in split order.
+
+    Args: run_m, run_w: float32[R], the running log2 scale and softmax mass (-inf and 0 before the
+    first split); run_o: float32[R, D], the running unnormalised output; lse: float32[R], the split's
+    log2-sum-exp (-inf where it saw no key: the row is left as it was); o: float32[R, D], its
+    normalised output. Returns the new (run_m, run_w, run_o); the output is ``run_o / run_w``.
+    Elementwise, with fused multiply-adds spelled out, so a program that walks its splits and folds
+    them as it goes and the merge of splits computed apart give the same bits."""
+    top = tl.maximum(run_m, lse)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    keep = tl.exp2(run_m - top_safe)
+    add = tl.exp2(lse - top_safe)
+    empty = lse == float("-inf")
+    return (tl.where(empty, run_m, top), tl.where(empty, run_w, tl.fma(run_w, keep, add)),
+            tl.where(empty[:, None], run_o, tl.fma(run_o, keep[:, None], o * add[:, None])))
+
+
 @triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk", "SPLITS"])
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk, SPLITS,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, FOLD: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     tile = tl.program_id(0)
@@ -111,6 +130,18 @@ def attention_kernel(
             last = tl.minimum(SPLITS, tl.maximum(prefix, 0) // span)
         if PART == 2:
             first = tl.maximum(prefix, 0) // span
+        # FOLD: this program walks every split in order and folds each one's result into a running
+        # one (fold_split), instead of storing it for the merge; PART 2 continues the fold PART 1
+        # left for its rows, PART 1 leaves it.
+        run_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        run_w = tl.zeros((BLOCK_M,), tl.float32)
+        run_o = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        fold_row = n_row * Hq + head
+        if FOLD and PART == 2:
+            run_m = tl.load(fold_m_ptr + fold_row, mask=row_ok, other=float("-inf"))
+            run_w = tl.load(fold_w_ptr + fold_row, mask=row_ok, other=0.0)
+            run_o = tl.load(fold_o_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :],
+                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         # This program's splits: every ``num_programs(2)``-th from ``first`` (one each outside the
         # batch-invariant mode). A split past the keys only marks itself empty for the merge.
         for split in range(first + tl.program_id(2), last, tl.num_programs(2)):
@@ -175,41 +206,57 @@ def attention_kernel(
                     m_i = m_new
 
                 o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                if SPLIT:
-                    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                if FOLD:
+                    run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
+                elif SPLIT:
                     tl.store(mid_lse_ptr + part, lse, mask=row_ok)
                     tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o,
                              mask=row_ok[:, None] & col_ok[None, :])
                 else:
-                    tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
+                    tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-            elif SPLIT:
-                tl.store(mid_lse_ptr + part, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
-            else:
-                tl.store(out_ptr + (n_row * Hq + head)[:, None] * HEAD_DIM + cols[None, :],
-                         tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None] & col_ok[None, :])
+            elif not FOLD:
+                if SPLIT:
+                    tl.store(mid_lse_ptr + part, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
+                else:
+                    tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :],
+                             tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty),
+                             mask=row_ok[:, None] & col_ok[None, :])
+        if FOLD and PART == 1:
+            tl.store(fold_m_ptr + fold_row, run_m, mask=row_ok)
+            tl.store(fold_w_ptr + fold_row, run_w, mask=row_ok)
+            tl.store(fold_o_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :], run_o,
+                     mask=row_ok[:, None] & col_ok[None, :])
+        elif FOLD:
+            o = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
+            tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[n, hq] = the splits' partial outputs weighted by their share of the softmax mass."""
+    """out[n, hq] = the splits' results folded in split order (fold_split), ``BLOCK_S`` splits' loads
+    issued together."""
     await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < SPLITS
-    lse = tl.load(mid_lse_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.where(s_ok, tl.exp2(lse - top), 0.0)
-    total = tl.sum(w, 0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
-    o = tl.load(mid_o_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + cols[None, :],
-                mask=(s_ok & (w > 0))[:, None] & col_ok[None, :], other=0.0)
-    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + cols, merged.to(out_ptr.dtype.element_ty), mask=col_ok)
+    one = tl.zeros((1,), tl.int64)
+    run_m = tl.full((1,), float("-inf"), tl.float32)
+    run_w = tl.zeros((1,), tl.float32)
+    run_o = tl.zeros((1, BLOCK_D), tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        for i in tl.static_range(BLOCK_S):
+            split = s0 + i + one
+            part = row * SPLITS + split
+            lse = tl.load(mid_lse_ptr + part, mask=split < SPLITS, other=float("-inf"))
+            o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :],
+                        mask=(lse > float("-inf"))[:, None] & col_ok[None, :], other=0.0)
+            run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
+    merged = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
+    tl.store(out_ptr + row * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
 @dataclass
@@ -295,8 +342,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     per_req = tree_d if tree is not None else -(-N // B)
     max_m = max(16, _pow2(G), cfg.attn_block_m)
     # The batch-invariant mode runs one tile height for every step (a row's bits depend on it):
-    # the smallest, one query's heads, as a decode step wants.
-    block_m = max(16, _pow2(G)) if layout.batch_invariant else max(16, min(_pow2(max(1, per_req) * G), max_m))
+    # attn_invariant_block_m, or the smallest, one query's heads, as a decode step wants.
+    if layout.batch_invariant:
+        block_m = max(16, _pow2(G), cfg.attn_invariant_block_m or 0)
+    else:
+        block_m = max(16, min(_pow2(max(1, per_req) * G), max_m))
     on_path = layout.batch_invariant and tree is not None
     block_q = 1 if on_path else max(1, block_m // G)
     tiles = plan.tiles(block_q)
@@ -325,45 +375,57 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     if even:
         # Each request's keys are shared evenly by the splits in the kernel; at least min_split each.
         chunk = min(chunk, -(-min_split // block_n) * block_n)
-    if splits > 1:
+    shared_prefix = on_path and splits > 1
+    first_tiles = plan.tiles(max(1, block_m // G)) if shared_prefix else tiles
+    # The batch-invariant mode folds the splits in the attention kernel (one program per tile and
+    # head walks them all) where its first launch's tiles x heads fill the device
+    # attn_invariant_fold times over; fewer take the splits in parallel and a merge folds them.
+    fold = (layout.batch_invariant and splits > 1 and cfg.attn_invariant_fold is not None
+            and first_tiles.req.shape[0] * H >= want * cfg.attn_invariant_fold)
+    mid_o = mid_lse = fold_m = fold_w = fold_o = out
+    if splits > 1 and not fold:
         mid_o = torch.empty((N, Hq, splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out
+    if fold and shared_prefix:
+        fold_m = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
+        fold_w = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
+        fold_o = torch.empty((N, Hq, d), dtype=torch.float32, device=q.device)
     mask = tree.view(torch.uint8) if tree is not None else plan.q_lens
     k_layer, v_layer = kv.k[layer], kv.v[layer]
 
     def launch(tiles: _Tiles, path: bool, part: int, tree_d: int = tree_d) -> None:
         # One program per split, except in the batch-invariant mode, where the splits follow the
-        # host's bound on the keys: there each tile and head takes them in as many programs as fill
-        # the device attn_invariant_fill times, each program every so-many-th split (the merge
-        # order is the splits' own).
+        # host's bound on the keys: there each tile and head takes them in one program that folds
+        # them (fold), or in as many programs as fill the device attn_invariant_fill times, each
+        # program every so-many-th split (the merge order is the splits' own).
         programs = splits
-        if layout.batch_invariant:
+        if fold:
+            programs = 1
+        elif layout.batch_invariant:
             programs = min(splits, max(1, -(-want * cfg.attn_invariant_fill // (tiles.req.shape[0] * H))))
         attention_kernel[(tiles.req.shape[0], H, programs)](
-            q, k_layer, v_layer, out, mid_o, mid_lse,
+            q, k_layer, v_layer, out, mid_o, mid_lse, fold_m, fold_w, fold_o,
             layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
             tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
             B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
             k_layer.stride(0), sm_scale * _LOG2E, chunk, splits,
             Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part,
+            BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part, FOLD=fold,
             IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
             **pdl_keywords(cfg.pdl), **cfg.options())
 
-    if on_path and splits > 1:
+    if shared_prefix:
         # The splits wholly before the tree hold keys every node sees at the positions a decode
         # query reads them: a tile of nodes reads them once, in the decode kernel itself (no tree
         # mask: every key there is visible), so each row's bits are a decode query's; each node on
-        # its path reads the rest.
-        launch(plan.tiles(max(1, block_m // G)), False, 1, tree_d=0)
+        # its path reads the rest (folding on from where the first launch left its rows).
+        launch(first_tiles, False, 1, tree_d=0)
         launch(tiles, True, 2)
     else:
         launch(tiles, on_path, 0)
-    if splits > 1:
-        merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=_pow2(splits),
+    if splits > 1 and not fold:
+        merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=min(16, _pow2(splits)),
                                  BLOCK_D=block_d, num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl),
                                  **cfg.options())
     return out

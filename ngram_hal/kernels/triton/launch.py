@@ -93,6 +93,8 @@ class LaunchConfig:
     attn_min_split: int | None = None
     attn_invariant_keys: int | None = 128
     attn_invariant_fill: int = 4
+    attn_invariant_fold: int | None = 2
+    attn_invariant_block_m: int | None = None
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None
@@ -137,10 +139,12 @@ class LaunchConfig:
         return min(self.max_num_warps, 8 if block_m * block_d >= 128 * 128 else 4)
 
     def __post_init__(self):
-        powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m")
+        powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m",
+                         "attn_invariant_block_m")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split", "attn_invariant_keys"):
+            if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split", "attn_invariant_keys",
+                                            "attn_invariant_fold", "attn_invariant_block_m"):
                 continue
             if f.name == "fused_linear_rows" and value == 0:
                 continue

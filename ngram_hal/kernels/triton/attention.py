@@ -147,7 +147,7 @@ def attention_kernel(
         for split in range(first + tl.program_id(2), last, tl.num_programs(2)):
             start = split * span
             end = tl.minimum(start + span, kv_end)
-            part = (n_row * Hq + head) * SPLITS + split
+            part = (split * N + n_row) * Hq + head
             if start < end:
                 m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
                 l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -235,28 +235,30 @@ def attention_kernel(
 
 
 @triton.jit
-def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HEAD_DIM: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[n, hq] = the splits' results folded in split order (fold_split), ``BLOCK_S`` splits' loads
-    issued together."""
+def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: the splits' results
+    (``mid_*[split, r]``) folded in split order (fold_split), ``BLOCK_S`` splits' loads issued
+    together. Elementwise per row, so the rows a program takes do not change a row's bits."""
     await_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
-    one = tl.zeros((1,), tl.int64)
-    run_m = tl.full((1,), float("-inf"), tl.float32)
-    run_w = tl.zeros((1,), tl.float32)
-    run_o = tl.zeros((1, BLOCK_D), tl.float32)
+    run_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    run_w = tl.zeros((BLOCK_R,), tl.float32)
+    run_o = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for s0 in range(0, SPLITS, BLOCK_S):
         for i in tl.static_range(BLOCK_S):
-            split = s0 + i + one
-            part = row * SPLITS + split
-            lse = tl.load(mid_lse_ptr + part, mask=split < SPLITS, other=float("-inf"))
+            split = tl.zeros((BLOCK_R,), tl.int64) + s0 + i
+            part = split * ROWS + rows
+            lse = tl.load(mid_lse_ptr + part, mask=row_ok & (split < SPLITS), other=float("-inf"))
             o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :],
                         mask=(lse > float("-inf"))[:, None] & col_ok[None, :], other=0.0)
             run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
     merged = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
-    tl.store(out_ptr + row * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @dataclass
@@ -384,8 +386,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
             and first_tiles.req.shape[0] * H >= want * cfg.attn_invariant_fold)
     mid_o = mid_lse = fold_m = fold_w = fold_o = out
     if splits > 1 and not fold:
-        mid_o = torch.empty((N, Hq, splits, d), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((splits, N, Hq, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((splits, N, Hq), dtype=torch.float32, device=q.device)
     if fold and shared_prefix:
         fold_m = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         fold_w = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
@@ -425,9 +427,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     else:
         launch(tiles, on_path, 0)
     if splits > 1 and not fold:
-        merge_kernel[(N * Hq,)](mid_o, mid_lse, out, splits, HEAD_DIM=d, BLOCK_S=min(16, _pow2(splits)),
-                                 BLOCK_D=block_d, num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl),
-                                 **cfg.options())
+        # As many rows a program as keep the programs filling the device, up to 16.
+        block_r = min(16, 1 << max(0, (N * Hq // want).bit_length() - 1))
+        merge_kernel[(-(-N * Hq // block_r),)](mid_o, mid_lse, out, N * Hq, splits, HEAD_DIM=d, BLOCK_R=block_r,
+                                               BLOCK_S=min(16, _pow2(splits)), BLOCK_D=block_d,
+                                               num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl), **cfg.options())
     return out
 
 

@@ -57,8 +57,8 @@ def fold_split(run_m, run_w, run_o, lse, o):
 
     Args: run_m, run_w: float32[R], the running log2 scale and softmax mass (-inf and 0 before the
     first split); run_o: float32[R, D], the running unnormalised output; lse: float32[R], the split's
-    log2-sum-exp (-inf where it saw no key: the row is left as it was); o: float32[R, D], its
-    normalised output. Returns the new (run_m, run_w, run_o); the output is ``run_o / run_w``.
+    log2-sum-exp (-inf where it saw no key: the row is left as it was, whatever its o holds);
+    o: float32[R, D], its normalised output. Returns the new (run_m, run_w, run_o); the output is ``run_o / run_w``.
     Elementwise, with fused multiply-adds spelled out, so a program that walks its splits and folds
     them as it goes and the merge of splits computed apart give the same bits."""
     top = tl.maximum(run_m, lse)
@@ -66,6 +66,7 @@ def fold_split(run_m, run_w, run_o, lse, o):
     keep = tl.exp2(run_m - top_safe)
     add = tl.exp2(lse - top_safe)
     empty = lse == float("-inf")
+    o = tl.where(empty[:, None], 0.0, o)
     return (tl.where(empty, run_m, top), tl.where(empty, run_w, tl.fma(run_w, keep, add)),
             tl.where(empty[:, None], run_o, tl.fma(run_o, keep[:, None], o * add[:, None])))
 
@@ -239,7 +240,8 @@ def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.con
                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: the splits' results
     (``mid_*[split, r]``) folded in split order (fold_split), ``BLOCK_S`` splits' loads issued
-    together. Elementwise per row, so the rows a program takes do not change a row's bits."""
+    together (none waits for another's value). Elementwise per row, so the rows a program takes do
+    not change a row's bits."""
     await_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS
@@ -252,9 +254,11 @@ def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.con
         for i in tl.static_range(BLOCK_S):
             split = tl.zeros((BLOCK_R,), tl.int64) + s0 + i
             part = split * ROWS + rows
-            lse = tl.load(mid_lse_ptr + part, mask=row_ok & (split < SPLITS), other=float("-inf"))
-            o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :],
-                        mask=(lse > float("-inf"))[:, None] & col_ok[None, :], other=0.0)
+            ok = row_ok & (split < SPLITS)
+            lse = tl.load(mid_lse_ptr + part, mask=ok, other=float("-inf"))
+            # An empty split's output was never written; fold_split leaves its rows as they were.
+            o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                        other=0.0)
             run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
     merged = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty),

@@ -47,7 +47,8 @@ KERNELS["move_kv registers"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS,
                                 dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=False), 16)
 KERNELS["move_kv scratch"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS, dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=True), 16)
 ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_o_ptr=F32P, mid_lse_ptr=F32P,
-                      fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P, req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
+                      fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P,
+                      req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
                       tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, path_ptr=I64P, B="i32", R="i32", M="i32", S="i32",
                       N="i32", stride_slot="i32", sm_scale_log2="fp32", chunk="i32", SPLITS="i32")
 # (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path, part, fold, dtype): SmolLM2 and Llama-8B

@@ -7,7 +7,8 @@ BLOCK_Q * G`` rows, so a decode step still feeds the matrix units), and it walks
 blocks of ``BLOCK_N``, reading each key's slot from ``req_to_token`` and the K/V rows from the
 cache (any page size: the table maps positions to slots one by one), with an online softmax.
 When tiles times heads are too few to fill the device, the key range is split (flash-decoding) and
-a second kernel merges the partial results by their log-sum-exp. The number of splits follows the
+a second kernel folds the partial results in split order by their log-sum-exp
+(:func:`fold_split`). The number of splits follows the
 host's bound on the keys; each request's own keys are then shared evenly by the splits (whole key
 blocks), so a short context in a step captured for long ones still spreads over every split.
 
@@ -19,10 +20,12 @@ Batch-invariant mode: every query walks its keys in chunks and blocks at fixed p
 same tile shape whatever the batch. Their number follows the host's bound on the keys (a captured
 step's: the request table's width), most of them past a short context, so a program takes every
 so-many-th chunk of its tile, as many programs as fill the device a few times over
-(``LaunchConfig.attn_invariant_fill``, chosen by ``bench/bench_attention_verify.py``). A tree
-node there reads its ancestors (root first, then itself) at the positions after the prefix that
-plain decoding gives them once accepted, instead of the tree's slots under its mask: its result is
-bit for bit the one a decode step of the same token computes, which is what keeps greedy
+(``LaunchConfig.attn_invariant_fill``, chosen by ``bench/bench_attention_verify.py``); where a
+call's tiles fill the device ``attn_invariant_fold`` times over, one program per tile and head
+walks them all and folds their results as the merge would, with no merge launch (the same bits).
+A tree node there reads its ancestors (root first, then itself) at the positions after the prefix
+that plain decoding gives them once accepted, instead of the tree's slots under its mask: its
+result is bit for bit the one a decode step of the same token computes, which is what keeps greedy
 speculation with branching trees identical to greedy decoding (chains sit at those positions
 already). The key splits wholly before the tree are the same for every node, so one tile of a
 request's nodes reads them once; each node takes a tile of its own for the split the tree starts
@@ -58,9 +61,9 @@ def fold_split(run_m, run_w, run_o, lse, o):
     Args: run_m, run_w: float32[R], the running log2 scale and softmax mass (-inf and 0 before the
     first split); run_o: float32[R, D], the running unnormalised output; lse: float32[R], the split's
     log2-sum-exp (-inf where it saw no key: the row is left as it was, whatever its o holds);
-    o: float32[R, D], its normalised output. Returns the new (run_m, run_w, run_o); the output is ``run_o / run_w``.
-    Elementwise, with fused multiply-adds spelled out, so a program that walks its splits and folds
-    them as it goes and the merge of splits computed apart give the same bits."""
+    o: float32[R, D], its normalised output. Returns the new (run_m, run_w, run_o); the output is
+    ``run_o / run_w``. Elementwise, with fused multiply-adds spelled out, so a program that walks its
+    splits and folds them as it goes and the merge of splits computed apart give the same bits."""
     top = tl.maximum(run_m, lse)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     keep = tl.exp2(run_m - top_safe)

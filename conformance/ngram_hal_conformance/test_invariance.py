@@ -6,6 +6,8 @@ a row's result does not depend on the rows that share its call.
   node's output equals the decode of the same query once its path (its ancestors, then itself) is
   accepted, i.e. its K/V sit right after the prefix. That is what makes speculative decoding give
   exactly the tokens of plain decoding.
+* The same for a batch as large as serving reaches (scale tier), which a backend may spread over
+  its programs otherwise than a small one.
 * The model kernels of ``layer_kernels(..., batch_invariant=True)`` in the engine's dtype for the
   device: rows alone and in calls of more rows, across the row counts where a backend changes tiling.
 
@@ -25,7 +27,7 @@ from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.model_kernels import default_dtype
 
 from .checks import host
-from .test_attention import HEADS, attention_call, kv_dtypes, random_batch
+from .test_attention import HEADS, attention_call, kv_dtypes, random_batch, random_parents
 
 rngs = st.randoms(use_true_random=False)
 KEYS = 400
@@ -103,6 +105,29 @@ def test_tree_nodes_equal_the_decode_of_their_path(backend, device, prefix):
                 decode = host(_invariant(backend, a, **one))
                 assert torch.equal(decode[0], tree[b * D + i]), (
                     f"{dtype}: request {b} node {i} (path {path}) differs from the decode of its path")
+
+
+@pytest.mark.conformance(op="attention", tier="scale")
+@pytest.mark.parametrize("mode", ["decode", "tree"])
+def test_attention_rows_do_not_depend_on_a_large_batch(backend, device, scale, mode):
+    """A batch as large as serving reaches (512 requests at ``--scale full``, 6 at ``reduced``),
+    which a backend may spread over its programs otherwise than a small one (the cuda backend folds
+    the key splits in the attention kernel from a size on, where a small call merges them apart):
+    its first, last and a random request alone give their rows of the batch's output, bit for bit.
+    Decodes, or 8-node random trees, after prefixes of 150-380 keys: several key splits."""
+    _claims(backend)
+    batch = 512 if scale == "full" else 6
+    nodes = 8 if mode == "tree" else 1
+    for dtype in kv_dtypes(backend):
+        rng = random.Random(f"large-{mode}-{dtype}")
+        kv_lens = [rng.randint(150, 380) + nodes for _ in range(batch)]
+        trees = [random_parents(rng, nodes) for _ in range(batch)] if mode == "tree" else None
+        a = attention_call(rng, device, dtype, kv_lens, [nodes] * batch, heads=(8, 4), head_dim=16, trees=trees).args
+        out = host(_invariant(backend, a))
+        for b in sorted({0, batch - 1, rng.randrange(batch)}):
+            alone = host(_invariant(backend, a, **_request(a, b, b * nodes, nodes)))
+            assert torch.equal(alone, out[b * nodes:(b + 1) * nodes]), (
+                f"{mode} {dtype}: request {b} of {batch} alone differs")
 
 
 def _rows_alone(run, inputs: tuple[torch.Tensor, ...], what: str) -> None:

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ...layout import AttentionLayout
 from ...kv_cache import KVCache
-from .launch import LaunchConfig, interpreting, num_programs_to_fill
+from .launch import LaunchConfig, interpreting, num_programs_to_fill, pow2_floor
 from .pdl import await_previous, pdl_keywords
 
 _LOG2E = 1.4426950408889634
@@ -435,7 +435,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         launch(tiles, on_path, 0)
     if splits > 1 and not fold:
         # As many rows a program as keep the programs filling the device, up to 16.
-        block_r = min(16, 1 << max(0, (N * Hq // want).bit_length() - 1))
+        block_r = min(16, pow2_floor(N * Hq // want))
         merge_kernel[(-(-N * Hq // block_r),)](mid_o, mid_lse, out, N * Hq, splits, HEAD_DIM=d, BLOCK_R=block_r,
                                                BLOCK_S=min(16, _pow2(splits)), BLOCK_D=block_d,
                                                num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl), **cfg.options())

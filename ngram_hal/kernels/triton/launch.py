@@ -113,7 +113,7 @@ class LaunchConfig:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode and
         tree verify), 16 to 128 keys."""
         key_bytes = self.attn_key_bytes * (2 if few_queries else 1)
-        return max(16, min(128, _pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
+        return max(16, min(128, pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
 
     def attn_split_keys(self, block_n: int, few_queries: bool = False) -> int:
         """Fewest keys one split of the attention keys holds: ``attn_min_split``, or four steps of
@@ -189,7 +189,8 @@ class LaunchConfig:
         return n
 
 
-def _pow2_floor(n: int) -> int:
+def pow2_floor(n: int) -> int:
+    """The largest power of two not above ``n`` (1 below 2)."""
     return 1 << (max(1, n).bit_length() - 1)
 
 

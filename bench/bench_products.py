@@ -6,15 +6,15 @@ the five products of a decode step (QKV after the attention norm, the output pro
 residual add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run
 through the engine's own Triton model kernels at each row count of ``--rows``, once per candidate:
 the steps apart (the norm kernel, cuBLAS, the SwiGLU kernel) and the fused product in each tiling
-of :data:`SWEEP`. A candidate must agree with the steps apart before it is timed. Time is device
+of :data:`SWEEP` (those that split K up to 64 rows). A candidate must agree with the steps apart before it is timed. Time is device
 time per call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them,
 more than the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it
 reaches against a device-to-device copy measured in the same run.
 
 ``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`),
 keeping the shapes a table already there holds and this run did not sweep: the fastest candidate
-at each row count (the steps apart included) and the fastest fused tiling there; whether every
-fused tiling gave every row the same bits at every row count (each candidate's rows are compared
+at each row count (the steps apart included) and the fastest fused tiling there that does not
+split K; whether every such tiling gave every row the same bits at every row count (each candidate's rows are compared
 with the first tiling's on the most rows), which lets the batch-invariant mode take the fastest
 fused tiling per row count; and the one tiling with the least time summed over the row counts,
 each relative to that count's fastest, for devices where the bits differ. The cuda backend runs
@@ -52,9 +52,14 @@ from ngram_hal_cuda import CudaBackend  # noqa: E402
 SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(16, 32, 128), Tiling(16, 32, 512),
          Tiling(16, 64, 128), Tiling(16, 64, 256), Tiling(16, 32, 256, 4, 4), Tiling(16, 32, 256, 8, 3),
          Tiling(16, 64, 128, 4, 4), Tiling(16, 128, 128, 8, 3), Tiling(32, 64, 128), Tiling(64, 64, 64),
-         Tiling(64, 128, 64, 8, 3), Tiling(128, 64, 64, 4, 3), Tiling(128, 128, 64, 8, 3))
-"""Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`."""
-QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64))
+         Tiling(64, 128, 64, 8, 3), Tiling(128, 64, 64, 4, 3), Tiling(128, 128, 64, 8, 3),
+         Tiling(16, 32, 256, 4, 3, 2), Tiling(16, 32, 256, 4, 3, 4), Tiling(16, 32, 256, 4, 3, 8),
+         Tiling(16, 32, 128, 4, 4, 4), Tiling(16, 16, 256, 4, 3, 4), Tiling(16, 64, 128, 4, 4, 2),
+         Tiling(16, 64, 128, 4, 4, 4))
+"""Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`. Those
+that split K are timed up to :data:`SPLIT_MAX_ROWS` rows."""
+SPLIT_MAX_ROWS = 64
+QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64), Tiling(16, 16, 64, split_k=2))
 WEIGHT_BYTES = 256 << 20
 AGREE = 0.05
 
@@ -82,7 +87,7 @@ def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.
 def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], rows: int, tiling: Tiling | None):
     """``kernels`` set to run ``tiling`` (None: the steps apart) for weights of ``weight_shape``."""
     choice = ShapeChoice(n=weight_shape[0], k=weight_shape[1], by_rows=(RowsChoice(max_rows=rows, tiling=tiling),),
-                         invariant=tiling or Tiling(16, 32, 256))
+                         invariant=SWEEP[0])
     table = ProductTable(device="sweep", dtype="-", source="-", shapes=(choice,))
     kernels.launch = dataclasses.replace(base, products=table)
 
@@ -118,7 +123,7 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
             forced(kernels, base, (n, k), rows, None)
             want = output(kind, kernels, linears[0], x)
             apart_us = None
-            for tiling in (None, *sweep):
+            for tiling in (None, *(t for t in sweep if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
                 forced(kernels, base, (n, k), rows, tiling)
                 got = output(kind, kernels, linears[0], x)
                 err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
@@ -143,26 +148,31 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
     return rows_out
 
 
+def unsplit(r: dict) -> bool:
+    """Whether a result row is a fused tiling that does not split K (the invariant mode's kind)."""
+    return r["tiling"] is not None and Tiling(*r["tiling"]).split_k == 1
+
+
 def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, source: str) -> ProductTable:
-    """The fastest candidate and the fastest fused tiling per weight shape and row count; whether
-    every fused tiling gave every row count the same bits (``same_bits``); the invariant tiling per
-    shape (the least time summed over the row counts, each relative to that count's fastest)."""
+    """The fastest candidate per weight shape and row count, and the fastest fused tiling there that
+    does not split K; whether every such tiling gave every row count the same bits (``same_bits``);
+    the invariant tiling per shape (of those, the least time summed over the row counts, each
+    relative to that count's fastest)."""
     shapes = {}
     for r in results:
         shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], []).append(r)
     choices = []
     for (n, k), by_rows in shapes.items():
         best = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in sorted(by_rows.items())}
-        fastest_fused = {rows: min((r for r in cands if r["tiling"] is not None), key=lambda r: r["us"])
+        fastest_fused = {rows: min(filter(unsplit, cands), key=lambda r: r["us"])
                          for rows, cands in sorted(by_rows.items())}
         fused = {}
         for rows, cands in by_rows.items():
-            for r in cands:
-                if r["tiling"] is not None:
-                    fused.setdefault(tuple(r["tiling"]), 0.0)
-                    fused[tuple(r["tiling"])] += r["us"] / best[rows]["us"]
+            for r in filter(unsplit, cands):
+                fused.setdefault(tuple(r["tiling"]), 0.0)
+                fused[tuple(r["tiling"])] += r["us"] / best[rows]["us"]
         invariant = min(fused, key=fused.get)
-        agree = all(r["same_bits"] for cands in by_rows.values() for r in cands if r["tiling"] is not None)
+        agree = all(r["same_bits"] for cands in by_rows.values() for r in filter(unsplit, cands))
         choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), tilings_agree=agree, by_rows=tuple(
             RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]),
                        fused=Tiling(*fastest_fused[rows]["tiling"]))

@@ -17,7 +17,7 @@ bf16 matrix product's measured throughput allows for its operations, and the sha
 for verify steps the cost of a step against a plain step at the same batch. ``--products
 table,fixed`` runs each batch twice, the projections' products as the cuda backend's sweep table
 for this GPU chose them (``bench/bench_products.py``; the backend's default) and by the fixed
-rule, side by side; ``--pdl on,off`` likewise with the layer
+rule, side by side (or by a table file: ``--products table,old.json``); ``--pdl on,off`` likewise with the layer
 kernels launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one
 after another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same
 shape (its own random weights), batch 1. ``--profile-steps N`` adds to each row, on CUDA, N decode
@@ -54,17 +54,30 @@ from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.shapes import (check_fits, load_shape, parameter_bytes, roofline,  # noqa: E402
                                     streamed_bytes, streaming_limit)
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
+from ngram_hal.kernels.triton.products import ProductTable  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
 
-def modes(*choices: str):
-    """An argparse type: one or more of ``choices``, comma separated, each once."""
+def modes(*choices: str, files: bool = False):
+    """An argparse type: one or more of ``choices`` (with ``files``, or paths of ``.json`` files),
+    comma separated, each once."""
     def parse(text: str) -> list[str]:
         got = text.split(",")
-        if any(m not in choices for m in got) or len(set(got)) != len(got):
-            raise argparse.ArgumentTypeError(f"expected {' or '.join(choices)}, or several comma separated; got {text!r}")
+        known = [m in choices or (files and m.endswith(".json")) for m in got]
+        if not all(known) or len(set(got)) != len(got):
+            also = " or a .json file" if files else ""
+            raise argparse.ArgumentTypeError(f"expected {' or '.join(choices)}{also}, or several comma separated; "
+                                             f"got {text!r}")
         return got
     return parse
+
+
+def product_table(mode: str, launch) -> ProductTable | None:
+    """The product table of a ``--products`` mode: the backend's own (``table``), none (``fixed``),
+    or a table file (a sweep of another commit, run beside this one's)."""
+    if mode == "fixed":
+        return None
+    return launch.products if mode == "table" else ProductTable.load(mode)
 
 
 def decode_time(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, list[float]]:
@@ -124,7 +137,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None, flo
             if triton:
                 # The model's kernels and the backend's attention launch alike.
                 model.kernels.launch = model.backend.launch = dataclasses.replace(
-                    launch, products=launch.products if products == "table" else None, pdl=pdl == "on")
+                    launch, products=product_table(products, launch), pdl=pdl == "on")
             plain_ms = None
             for tree_size in (1, args.tree_size):
                 config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always",
@@ -271,9 +284,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-size", type=int, default=8, metavar="D", help="nodes of the verify step (default 8)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers on each shape, batch 1")
     parser.add_argument("--copy-bytes", type=int, default=2**31, help="bytes of the bandwidth copy (default: 2 GiB)")
-    parser.add_argument("--products", type=modes("table", "fixed"), default=None, metavar="table,fixed",
+    parser.add_argument("--products", type=modes("table", "fixed", files=True), default=None, metavar="table,fixed",
                         help="the projections' products: the cuda backend's sweep table for this GPU, the fixed rule, "
-                             "or both side by side (default: the backend's own, the table where it has one)")
+                             "a product table file, or several side by side (default: the backend's own, the table "
+                             "where it has one)")
     parser.add_argument("--pdl", type=modes("on", "off"), default=None, metavar="on,off",
                         help="the layer kernels launched early (programmatic dependent launch) or one after another, "
                              "or both side by side (default: the backend's own)")

@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 from ngram_hal.engine.config import LlamaConfig  # noqa: E402
 from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rope_frequencies, rotary  # noqa: E402
 from ngram_hal.kernels.gpu.argmax import BLOCK, argmax  # noqa: E402
-from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
+from ngram_hal.kernels.gpu.matmul import (  # noqa: E402
+    INVARIANT, SPLIT_COUNTERS, Tiling, fold_norm, fused_linear, invariant_linear, split_counters)
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
 from ngram_hal.kernels.gpu.swiglu import swiglu  # noqa: E402
@@ -87,7 +88,8 @@ def test_invariant_linear(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tiling", [INVARIANT, Tiling(16, 16, 64)], ids=["invariant", "16x16x64"])
+@pytest.mark.parametrize("tiling", [INVARIANT, Tiling(16, 16, 64), Tiling(16, 16, 32, split_k=4)],
+                         ids=["invariant", "16x16x64", "16x16x32-split4"])
 def test_fused_linear_norm_glu_and_residual(dtype, tiling):
     """RMSNorm (its weight folded into the product's) before the product, SwiGLU after a gate/up
     product, the residual add: the values of the separate kernels around the product."""
@@ -106,6 +108,26 @@ def test_fused_linear_norm_glu_and_residual(dtype, tiling):
     out = fused_linear(x, w, residual=residual, tiling=tiling)
     assert out.data_ptr() == residual.data_ptr(), "the residual is not updated in place"
     torch.testing.assert_close(residual.double(), before.double() + x.double() @ w.double().T, atol=tol * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 64], ids=lambda s: f"split{s}")
+def test_split_k_product_is_deterministic_and_row_invariant(split_k):
+    """A split reduction (K = 200 in runs of 32-step blocks: 4 runs of 64, 3 of 96 with the last
+    short, and as many runs as blocks where more splits are asked for than there are blocks): the
+    product's values, the same bits on a second call, each row's value alone as in the batch, and
+    every tile's counter back at zero."""
+    dtype = torch.bfloat16
+    x, w = _randn(21, 200, dtype=dtype, seed=13), _randn(70, 200, dtype=dtype, seed=14)
+    tiling = Tiling(16, 16, 32, split_k=split_k)
+    out = fused_linear(x, w, tiling=tiling)
+    torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=0.4, rtol=TOL[dtype])
+    assert torch.equal(fused_linear(x, w, tiling=tiling), out), "a second call gave other bits"
+    for rows in ([0], [3, 4], list(range(16, 21))):
+        assert_invariant(fused_linear(x[rows].contiguous(), w, tiling=tiling), out[rows],
+                         f"rows {rows} computed in a smaller batch")
+    assert not split_counters(out.device, 1).any(), "a tile's split counter was left set"
+    with pytest.raises(ValueError, match=f"at most {SPLIT_COUNTERS}"):
+        split_counters(out.device, SPLIT_COUNTERS + 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

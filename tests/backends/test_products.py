@@ -45,6 +45,8 @@ def test_the_choice_follows_the_row_buckets_and_more_rows_run_apart():
     assert choose(qkv, 9) == Tiling(16, 64, 128, 8, 2) and choose(qkv, 64).label == "16x64x128/w8/s2"
     assert choose(qkv, 65) is None
     assert TABLE.lookup(7, 7) is None
+    split = table(shape(*QKV, [(1, [16, 32, 256, 4, 3, 4])])).lookup(*QKV)
+    assert choose(split, 1).split_k == 4 and choose(split, 1).label == "16x32x256/k4"
 
 
 def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_elsewhere():
@@ -63,6 +65,8 @@ def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_else
     (shape(4, 8, [(1, [16, 24, 64])]), "block_n must be a positive power of two, got 24"),
     (shape(4, 8, [(8, None), (2, None)]), "by_rows bounds must increase"),
     (shape(4, 8, [(1, None)], invariant=(16, 16, 16, 4, 0)), "num_stages must be a positive int"),
+    (shape(4, 8, [(1, [16, 16, 64, 4, 3, 0])]), "split_k must be a positive int"),
+    (shape(4, 8, [(1, None)], invariant=(16, 16, 64, 4, 3, 2)), "invariant mode's tilings must not split K"),
 ])
 def test_a_bad_table_is_refused_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

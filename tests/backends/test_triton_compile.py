@@ -88,12 +88,23 @@ KERNELS["row_argmax"] = ("gpu.argmax", "row_argmax_kernel", dict(best_ptr=F32P, 
                                                                 blocks="i32", V="i32"), dict(BLOCK_B=32, PDL=False), 1)
 KERNELS["swiglu"] = ("gpu.swiglu", "swiglu_kernel", dict(x_ptr=BF16P, out_ptr=BF16P, inter="i32"),
                      dict(BLOCK=1024, PDL=False), 4)
-for norm, glu, add in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
-    KERNELS[f"fused_linear norm {norm} glu {glu} add {add}"] = (
+# (norm, glu, add, K splits): the projections' kinds, and split reductions with each epilogue.
+for norm, glu, add, split in ((False, False, False, 1), (True, False, False, 1), (True, True, False, 1),
+                              (False, False, True, 1), (True, False, False, 4), (True, True, False, 2),
+                              (False, False, True, 8)):
+    KERNELS[f"fused_linear norm {norm} glu {glu} add {add} split {split}"] = (
         "gpu.matmul", "linear_kernel",
-        dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, M="i32", N="i32", K="i32", eps="fp32"),
-        dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NORM_BLOCK=1024, IEEE=False,
-             UPCAST=False, PDL=False), 4)
+        dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, part_ptr=F32P, count_ptr="*i32", M="i32", N="i32", K="i32",
+             K_SPLIT="i32", eps="fp32"),
+        dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT=split, NORM_BLOCK=1024,
+             IEEE=False, UPCAST=False, PDL=False), 4)
+# One row: Triton passes an integer argument of 1 as a constant.
+KERNELS["fused_linear split 4 one row"] = (
+    "gpu.matmul", "linear_kernel",
+    dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, part_ptr=F32P, count_ptr="*i32", N="i32", K="i32", K_SPLIT="i32",
+         eps="fp32"),
+    dict(M=1, NORM=True, GLU=True, ADD=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT=4, NORM_BLOCK=1024,
+         IEEE=False, UPCAST=False, PDL=False), 4)
 for live in (False, True):
     KERNELS[f"lookup live {live}"] = (
         "gpu.lookup", "lookup_kernel",

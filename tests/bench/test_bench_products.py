@@ -36,8 +36,8 @@ def test_quick_run_checks_every_product_and_candidate(bench_products, tmp_path):
     results = json.loads(out.read_text())["results"]
     assert {(r["product"], r["n"], r["k"]) for r in results} == {
         ("qkv", 128, 64), ("o", 64, 64), ("gate_up", 192, 64), ("down", 64, 96), ("lm_head", 96, 64)}
-    assert {r["candidate"] for r in results} == {"apart", "16x32x256", "16x16x64"}
-    assert len(results) == 5 * 2 * 3
+    assert {r["candidate"] for r in results} == {"apart", "16x32x256", "16x16x64", "16x16x64/k2"}
+    assert len(results) == 5 * 2 * 4
     assert all(r["max_rel_diff"] < 1e-4 and r["us"] is None for r in results), "float32, and no timings on the CPU"
 
 
@@ -73,6 +73,19 @@ def test_where_the_tilings_agree_the_invariant_mode_takes_the_fastest_fused_tili
     differ = bench_products.choose_table(_results(TIMES, same_bits=False), "gpu", torch.bfloat16, "test").lookup(8, 4)
     assert not differ.tilings_agree
     assert {choose_invariant(differ, rows) for rows in (1, 16, 64, 1000)} == {Tiling(*B)}, "one tiling for all"
+
+
+def test_a_split_k_tiling_runs_where_fastest_but_never_in_the_invariant_mode(bench_products):
+    """A tiling that splits K rounds its sums otherwise than the unsplit ones: the table runs it
+    where it is fastest, while the invariant mode's choices and the bits check leave it out."""
+    split = (16, 32, 256, 4, 3, 4)
+    times = {rows: {**cands, split: 1.0} for rows, cands in TIMES.items()}
+    results = [{**r, "same_bits": False} if r["tiling"] == list(split) else r for r in _results(times)]
+    choice = bench_products.choose_table(results, "gpu", torch.bfloat16, "test").lookup(8, 4)
+    assert [choose(choice, rows) for rows in (1, 16, 64)] == [Tiling(*split)] * 3
+    assert choice.tilings_agree, "the split tiling's other bits do not count against the unsplit ones"
+    assert [choose_invariant(choice, rows) for rows in (1, 16)] == [Tiling(*A), Tiling(*B)]
+    assert choice.invariant == Tiling(*B)
 
 
 def test_a_new_sweep_keeps_the_shapes_of_the_table_it_did_not_sweep(bench_products):

@@ -58,3 +58,28 @@ def test_launch_modes_the_backend_lacks_are_refused(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit) as exit_:
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,on"])
     assert exit_.value.code == 2 and "expected on or off" in capsys.readouterr().err
+
+
+def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import argparse
+
+    import bench_shapes
+    from ngram_hal.kernels.triton.products import SCHEMA, ProductTable
+
+    parse = bench_shapes.modes("table", "fixed", files=True)
+    assert parse("table,old.json") == ["table", "old.json"]
+    with pytest.raises(argparse.ArgumentTypeError, match="or a .json file"):
+        parse("table,old.txt")
+    path = tmp_path / "old.json"
+    old = ProductTable.model_validate({"schema": SCHEMA, "device": "gpu", "dtype": "bfloat16", "source": "old",
+                                       "shapes": [{"n": 4, "k": 8, "invariant": [16, 32, 256],
+                                                   "by_rows": [{"max_rows": 1, "tiling": [16, 32, 256, 4, 3, 2]}]}]})
+    old.dump(path)
+
+    class Launch:
+        products = "the backend's"
+
+    assert bench_shapes.product_table(str(path), Launch) == old
+    assert bench_shapes.product_table("table", Launch) == "the backend's"
+    assert bench_shapes.product_table("fixed", Launch) is None

@@ -14,6 +14,12 @@ tiling a row's result therefore does not depend on its batch (cuBLAS picks its a
 so a 1-row decode and a 16-row verify can round the same row differently); that is
 ``invariant_linear``. (Under Triton's interpreter, whose half-precision products are wrong,
 operands are widened to float32 first.)
+
+A product of a few rows over a weight with few output tiles (a 1B or 8B model's QKV, output and
+down projections at batch 1: 64-192 tiles of 32 columns for an H200's 132 multiprocessors) leaves
+the device's bandwidth idle; a tiling's ``split_k`` cuts its reduction into runs, one program
+each, whose float32 partial sums the tile's last program adds in split order before the
+epilogue (one launch, no atomics on the values, the same bits on every run).
 """
 
 from __future__ import annotations
@@ -50,29 +56,10 @@ def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
-                   NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST: tl.constexpr, PDL: tl.constexpr):
-    await_previous(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        w_mask = col_ok[None, :] & (k < K)[:, None]
-        w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=w_mask, other=0.0)
-        acc = _dot(x, w, acc, IEEE, UPCAST)
-        if GLU:
-            w_up = tl.load(w_ptr + (N + cols[None, :]) * K + k[:, None], mask=w_mask, other=0.0)
-            acc_up = _dot(x, w_up, acc_up, IEEE, UPCAST)
+def _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM: tl.constexpr,
+              GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The tile's finished float32 sums to its output: the norm's row scale, SwiGLU, the residual
+    add, the store."""
     if NORM:
         # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): the row's scale comes after the product.
         squares = tl.zeros((BLOCK_M,), tl.float32)
@@ -99,6 +86,91 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, eps,
     tl.store(out_at, y, mask=out_mask)
 
 
+@triton.jit
+def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, eps,
+                   NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = 0
+    k_hi = K
+    if SPLIT > 1:
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + ks
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        w_mask = col_ok[None, :] & (k < K)[:, None]
+        w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=w_mask, other=0.0)
+        acc = _dot(x, w, acc, IEEE, UPCAST)
+        if GLU:
+            w_up = tl.load(w_ptr + (N + cols[None, :]) * K + k[:, None], mask=w_mask, other=0.0)
+            acc_up = _dot(x, w_up, acc_up, IEEE, UPCAST)
+    if SPLIT == 1:
+        _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
+                  NORM_BLOCK)
+    else:
+        # Each split stores its float32 sums; the tile's last split to count itself in (acquire and
+        # release order the stores) adds them in split order, leaves the counter at zero for the
+        # next launch and finishes the tile. The same bits whichever split comes last.
+        tile_mask = row_ok[:, None] & col_ok[None, :]
+        split = tl.program_id(2)
+        # Split s's sums of the tile, float32[(2 if GLU else 1) * SPLIT, M, N] (up after gate).
+        tl.store(part_ptr + ((split * M + rows[:, None]) * N + cols[None, :]), acc, mask=tile_mask)
+        if GLU:
+            tl.store(part_ptr + (((SPLIT + split) * M + rows[:, None]) * N + cols[None, :]), acc_up, mask=tile_mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        # Every thread's stores done before the one thread's releasing count.
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            tl.atomic_xchg(count_ptr + tile, 0)
+            acc = tl.load(part_ptr + (rows[:, None] * N + cols[None, :]), mask=tile_mask, other=0.0,
+                          cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + ((s * M + rows[:, None]) * N + cols[None, :]), mask=tile_mask, other=0.0,
+                               cache_modifier=".cg")
+            if GLU:
+                acc_up = tl.load(part_ptr + ((SPLIT * M + rows[:, None]) * N + cols[None, :]), mask=tile_mask,
+                                 other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT):
+                    acc_up += tl.load(part_ptr + (((SPLIT + s) * M + rows[:, None]) * N + cols[None, :]),
+                                      mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD,
+                      BLOCK_M, NORM_BLOCK)
+
+
+SPLIT_COUNTERS = 1 << 16
+"""Output tiles a product that splits K may have: the size of each device's counter buffer."""
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32[SPLIT_COUNTERS] of ``device``, all zero between launches: the count of finished splits
+    per output tile of a product that splits K (its last split sets it back to zero). Launches on
+    one stream share it; they never run at once (an early-launched kernel waits for the one before
+    it before any memory access). Made at the device's first such product, which must not be under
+    graph capture (a capture would not run the zeroing; an engine runs each forward eagerly first)."""
+    if tiles > SPLIT_COUNTERS:
+        raise ValueError(f"fused_linear: {tiles} output tiles with a split K, at most {SPLIT_COUNTERS}")
+    counters = _counters.get(device)
+    if counters is None:
+        capturing = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
+        if capturing is not None and capturing():
+            raise RuntimeError(f"fused_linear: the first product that splits K on {device} ran under graph "
+                               "capture; run it once outside the capture first")
+        counters = _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
                  residual: torch.Tensor | None = None, tiling: Tiling = INVARIANT, pdl: bool = False) -> torch.Tensor:
     """``y = f(x) @ weight.T`` with float32 accumulation, rounded to x's dtype; optionally
@@ -116,7 +188,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
         norm_eps: the RMSNorm's epsilon, or None for no norm.
         residual: float[M, N] of x's dtype, contiguous, updated in place to ``residual + y``
             (rounded to its dtype after a float32 add) and returned.
-        tiling: the program tile, warps and stages (:data:`SMALL_ROWS`, :data:`INVARIANT` or a
+        tiling: the program tile, warps, stages and K splits (:data:`SMALL_ROWS`, :data:`INVARIANT` or a
             :class:`~ngram_hal.kernels.triton.products.ProductTable`'s choice for the weight's
             shape); one tiling for every row count keeps rows batch-invariant.
         pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
@@ -134,10 +206,18 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
                          f"got {tuple(residual.shape)} {residual.dtype}")
     out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        grid = (triton.cdiv(N, tiling.block_n), triton.cdiv(M, tiling.block_m))
-        linear_kernel[grid](x, weight, out, M, N, K, 0.0 if norm_eps is None else norm_eps,
+        tiles = (triton.cdiv(N, tiling.block_n), triton.cdiv(M, tiling.block_m))
+        # K in runs of whole BLOCK_K steps, one per split (a short K may leave fewer splits).
+        k_split = triton.cdiv(triton.cdiv(K, tiling.split_k), tiling.block_k) * tiling.block_k
+        splits = triton.cdiv(K, k_split)
+        partials = counters = out
+        if splits > 1:
+            partials = torch.empty(((2 if glu else 1) * splits * M * N,), dtype=torch.float32, device=x.device)
+            counters = split_counters(x.device, tiles[0] * tiles[1])
+        linear_kernel[(*tiles, splits)](x, weight, out, partials, counters, M, N, K, k_split,
+                             0.0 if norm_eps is None else norm_eps,
                              NORM=norm_eps is not None, GLU=glu, ADD=residual is not None, BLOCK_M=tiling.block_m,
-                             BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                             BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=splits,
                              NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
                              UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
                              num_stages=tiling.num_stages, **pdl_keywords(pdl))

@@ -6,6 +6,7 @@ steps apart (the norm kernel, then the vendor BLAS). In the batch-invariant mode
 product only: where the sweep found every tiling's rows bit-identical to every other's at every row
 count (``tilings_agree``: on NVIDIA tensor cores each output is the same chain of 16-deep products
 whatever the tile), the fastest fused tiling of the bucket; elsewhere one tiling for every row count.
+The invariant mode never splits a reduction (``split_k`` 1): a split's partial sums round otherwise.
 ``bench/bench_products.py --write-table`` times every candidate for
 the projections of the shapes it is given and writes the fastest as a :class:`ProductTable`; a
 backend loads the table of its device and hands it to the model kernels in its
@@ -25,43 +26,58 @@ SCHEMA = "ngram-hal/product-table/1"
 
 
 class Tiling(NamedTuple):
-    """Rows, output columns and reduction steps of one program of the fused product, and its warps
-    and software-pipelining stages."""
+    """Rows, output columns and reduction steps of one program of the fused product, its warps and
+    software-pipelining stages, and the parts its reduction is split into (``split_k`` programs
+    per output tile, each over a run of K; the tile's last one to finish adds their float32
+    partial sums in split order)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     @property
     def label(self) -> str:
-        """``MxNxK``, then ``/wW`` and ``/sS`` where warps and stages differ from 4 and 3."""
+        """``MxNxK``, then ``/wW``, ``/sS`` and ``/kP`` where warps, stages and splits differ from 4, 3
+        and 1."""
         warps = "" if self.num_warps == 4 else f"/w{self.num_warps}"
         stages = "" if self.num_stages == 3 else f"/s{self.num_stages}"
-        return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}"
+        splits = "" if self.split_k == 1 else f"/k{self.split_k}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}{splits}"
 
 
 def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
     """``tiling`` unchanged; a ValueError where a block or the warps are not a positive power of two
-    or the stages not positive."""
+    or the stages or splits not positive."""
     for name, v in zip(Tiling._fields, tiling or ()):
-        if v < 1 or (name != "num_stages" and v & (v - 1)):
+        plain_int = name in ("num_stages", "split_k")
+        if v < 1 or (not plain_int and v & (v - 1)):
             raise ValueError(f"tiling {list(tiling)}: {name} must be a positive "
-                             f"{'int' if name == 'num_stages' else 'power of two'}, got {v}")
+                             f"{'int' if plain_int else 'power of two'}, got {v}")
+    return tiling
+
+
+def _unsplit(tiling: Tiling | None) -> Tiling | None:
+    """``tiling`` checked as :func:`_powers_of_two` does, and that it does not split K."""
+    if tiling is not None and _powers_of_two(tiling).split_k != 1:
+        raise ValueError(f"tiling {list(tiling)}: the batch-invariant mode's tilings must not split K")
     return tiling
 
 
 class RowsChoice(BaseModel):
     """Forwards of at most ``max_rows`` rows (and more than the previous bucket's) run ``tiling``
-    (None: the steps apart); ``fused`` is the fastest fused tiling there (None: not swept)."""
+    (None: the steps apart); ``fused`` is the fastest fused tiling there that does not split K
+    (None: not swept)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     max_rows: int = Field(ge=1)
     tiling: Tiling | None
     fused: Tiling | None = None
 
-    _tiling = field_validator("tiling", "fused")(_powers_of_two)
+    _tiling = field_validator("tiling")(_powers_of_two)
+    _fused = field_validator("fused")(_unsplit)
 
 
 class ShapeChoice(BaseModel):
@@ -73,10 +89,10 @@ class ShapeChoice(BaseModel):
     k: int = Field(ge=1, description="the reduction length")
     by_rows: tuple[RowsChoice, ...] = Field(min_length=1)
     invariant: Tiling
-    tilings_agree: bool = Field(False, description="every swept tiling gave each row the same bits at every "
-                                                   "row count")
+    tilings_agree: bool = Field(False, description="every swept tiling that does not split K gave each row the "
+                                                   "same bits at every row count")
 
-    _invariant = field_validator("invariant")(_powers_of_two)
+    _invariant = field_validator("invariant")(_unsplit)
 
     @model_validator(mode="after")
     def _increasing(self) -> ShapeChoice:

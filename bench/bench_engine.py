@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from common import (error_text, make_console, make_table, peak_rss_bytes,  # noqa: E402
+from common import (error_text, launch_settings, make_console, make_table, peak_rss_bytes,  # noqa: E402
                     release_memory, report_header, write_json, write_report)
 from step_profile import profile_steps  # noqa: E402
 
@@ -177,24 +177,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # (where a run names no other).
     args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", DEFAULT_NUM_SLOTS
     return args
-
-
-def launch_settings(text: str) -> dict[str, int | bool | None]:
-    """``--launch``'s ``FIELD=VALUE,...``: each value an int, true, false or none."""
-    settings: dict[str, int | bool | None] = {}
-    for item in text.split(","):
-        name, sep, value = (part.strip() for part in item.partition("="))
-        word = value.lower()
-        if not sep or not name:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE")
-        if word in ("true", "false", "none"):
-            settings[name] = None if word == "none" else word == "true"
-            continue
-        try:
-            settings[name] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected an int, true, false or none") from None
-    return settings
 
 
 def selected_configs(args: argparse.Namespace) -> list[RunConfig]:

@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import make_console, make_table, release_memory, report_header, write_json, write_report  # noqa: E402
+from common import (launch_settings, make_console, make_table, release_memory, report_header,  # noqa: E402
+                    write_json, write_report)
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
@@ -127,8 +128,18 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None, flo
     if not triton and args.pdl not in (None, ["off"]):
         raise SystemExit(f"--pdl {','.join(args.pdl)}: the {model.backend.name} backend's model kernels "
                          "launch without programmatic dependent launch")
-    # The backend's own launch holds its GPU's product table and launch mode.
+    if args.launch and not triton:
+        raise SystemExit(f"--launch: the {model.backend.name} backend's model kernels have no Triton launch "
+                         "configuration")
+    # The backend's own launch holds its GPU's product table and launch mode (and --launch's fields).
     launch = model.kernels.launch if triton else None
+    if args.launch:
+        settable = {f.name for f in dataclasses.fields(launch)} - {"products", "pdl"}
+        unknown = sorted(set(args.launch) - settable)
+        if unknown:
+            raise SystemExit(f"--launch {','.join(unknown)}: no such LaunchConfig field (--products and --pdl set "
+                             "those two)")
+        launch = dataclasses.replace(launch, **args.launch)
     product_modes = args.products or ["table" if launch is not None and launch.products is not None else "fixed"]
     pdl_modes = args.pdl or ["on" if launch is not None and launch.pdl else "off"]
     for batch in args.batch_sizes:
@@ -291,6 +302,9 @@ def main(argv=None) -> None:
     parser.add_argument("--pdl", type=modes("on", "off"), default=None, metavar="on,off",
                         help="the layer kernels launched early (programmatic dependent launch) or one after another, "
                              "or both side by side (default: the backend's own)")
+    parser.add_argument("--launch", type=launch_settings, default={}, metavar="FIELD=VALUE,...",
+                        help="override fields of the Triton launch configuration (LaunchConfig: an int, true, false "
+                             "or none; --products and --pdl set those two)")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="on CUDA, profile N decode steps of each row after its timed pass: kernels, launches and "
                              "device time per step, the costliest kernels (default 0: off)")

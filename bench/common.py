@@ -4,6 +4,7 @@ graph-replayed device time, copy bandwidth)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
@@ -174,3 +175,21 @@ def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, replays
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the graph's private memory pool, which no later graph reuses
     return elapsed
+
+
+def launch_settings(text: str) -> dict[str, int | bool | None]:
+    """``--launch``'s ``FIELD=VALUE,...``: each value an int, true, false or none."""
+    settings: dict[str, int | bool | None] = {}
+    for item in text.split(","):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        word = value.lower()
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE")
+        if word in ("true", "false", "none"):
+            settings[name] = None if word == "none" else word == "true"
+            continue
+        try:
+            settings[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected an int, true, false or none") from None
+    return settings

@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 from ngram_hal.engine.config import LlamaConfig  # noqa: E402
 from ngram_hal.model_kernels import apply_rotary, rms_norm as torch_rms_norm, rope_frequencies, rotary  # noqa: E402
 from ngram_hal.kernels.gpu.argmax import BLOCK, argmax  # noqa: E402
-from ngram_hal.kernels.gpu.matmul import (  # noqa: E402
-    INVARIANT, SPLIT_COUNTERS, Tiling, fold_norm, fused_linear, invariant_linear, split_counters)
+from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
+from ngram_hal.kernels.triton.counters import TILE_COUNTERS, tile_counters  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
 from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
 from ngram_hal.kernels.gpu.swiglu import swiglu  # noqa: E402
@@ -125,9 +125,9 @@ def test_split_k_product_is_deterministic_and_row_invariant(split_k):
     for rows in ([0], [3, 4], list(range(16, 21))):
         assert_invariant(fused_linear(x[rows].contiguous(), w, tiling=tiling), out[rows],
                          f"rows {rows} computed in a smaller batch")
-    assert not split_counters(out.device, 1).any(), "a tile's split counter was left set"
-    with pytest.raises(ValueError, match=f"at most {SPLIT_COUNTERS}"):
-        split_counters(out.device, SPLIT_COUNTERS + 1)
+    assert not tile_counters(out.device, 1, "test").any(), "a tile's split counter was left set"
+    with pytest.raises(ValueError, match=f"test: {TILE_COUNTERS + 1} tiles counted in one launch"):
+        tile_counters(out.device, TILE_COUNTERS + 1, "test")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -83,3 +83,15 @@ def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, mon
     assert bench_shapes.product_table(str(path), Launch) == old
     assert bench_shapes.product_table("table", Launch) == "the backend's"
     assert bench_shapes.product_table("fixed", Launch) is None
+
+
+def test_launch_fields_apply_to_triton_kernels_only(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_shapes
+
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    with pytest.raises(SystemExit, match="--launch: the cpu backend's model kernels have no Triton launch"):
+        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--launch", "attn_merge_in_kernel=false",
+                           "--json", str(tmp_path / "out.json")])

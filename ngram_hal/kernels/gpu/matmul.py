@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton.counters import tile_counters
 from ..triton.launch import interpreting
 from ..triton.pdl import await_previous, pdl_keywords
 from ..triton.products import Tiling
@@ -119,9 +120,9 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
                   NORM_BLOCK)
     else:
-        # Each split stores its float32 sums; the tile's last split to count itself in (acquire and
-        # release order the stores) adds them in split order, leaves the counter at zero for the
-        # next launch and finishes the tile. The same bits whichever split comes last.
+        # Each split stores its float32 sums; the tile's last split to count itself in adds them in
+        # split order and finishes the tile (ngram_hal.kernels.triton.counters). The same bits
+        # whichever split comes last.
         tile_mask = row_ok[:, None] & col_ok[None, :]
         split = tl.program_id(2)
         # Split s's sums of the tile, float32[(2 if GLU else 1) * SPLIT, M, N] (up after gate).
@@ -129,7 +130,6 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         if GLU:
             tl.store(part_ptr + (((SPLIT + split) * M + rows[:, None]) * N + cols[None, :]), acc_up, mask=tile_mask)
         tile = pid_m * tl.num_programs(0) + pid_n
-        # Every thread's stores done before the one thread's releasing count.
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             tl.atomic_xchg(count_ptr + tile, 0)
@@ -146,29 +146,6 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                                       mask=tile_mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD,
                       BLOCK_M, NORM_BLOCK)
-
-
-SPLIT_COUNTERS = 1 << 16
-"""Output tiles a product that splits K may have: the size of each device's counter buffer."""
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """int32[SPLIT_COUNTERS] of ``device``, all zero between launches: the count of finished splits
-    per output tile of a product that splits K (its last split sets it back to zero). Launches on
-    one stream share it; they never run at once (an early-launched kernel waits for the one before
-    it before any memory access). Made at the device's first such product, which must not be under
-    graph capture (a capture would not run the zeroing; an engine runs each forward eagerly first)."""
-    if tiles > SPLIT_COUNTERS:
-        raise ValueError(f"fused_linear: {tiles} output tiles with a split K, at most {SPLIT_COUNTERS}")
-    counters = _counters.get(device)
-    if counters is None:
-        capturing = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
-        if capturing is not None and capturing():
-            raise RuntimeError(f"fused_linear: the first product that splits K on {device} ran under graph "
-                               "capture; run it once outside the capture first")
-        counters = _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return counters
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
@@ -213,7 +190,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
         partials = counters = out
         if splits > 1:
             partials = torch.empty(((2 if glu else 1) * splits * M * N,), dtype=torch.float32, device=x.device)
-            counters = split_counters(x.device, tiles[0] * tiles[1])
+            counters = tile_counters(x.device, tiles[0] * tiles[1], "fused_linear with a split K")
         linear_kernel[(*tiles, splits)](x, weight, out, partials, counters, M, N, K, k_split,
                              0.0 if norm_eps is None else norm_eps,
                              NORM=norm_eps is not None, GLU=glu, ADD=residual is not None, BLOCK_M=tiling.block_m,

@@ -21,15 +21,11 @@ alone (the layout is built once, as a step builds it for all its layers):
 - **invariant, 64 / 256 keys**: the mode with splits of 64 or 256 keys (``attn_invariant_keys``;
   other bits than 128);
 - **default, 4x programs**: the default mode splitting the keys for four times as many programs;
-- **default, merge launched** / **invariant, merge launched**: the split keys' results merged by a
-  merge kernel after the attention kernel instead of by the last program of each tile and head
-  (``attn_merge_in_kernel`` False; the same bits);
 - **invariant, 64-row tiles**: the mode with taller tiles (``attn_invariant_block_m``; other bits
   than one query's heads where the height changes the products' instructions), which hold more of a
   tree's nodes: fewer tiles read the keys before the tree.
 
-The invariant settings that keep the splits (:data:`SAME_BITS`) must give the same bits, the
-default's merge launched apart the default's bits, and the
+The invariant settings that keep the splits (:data:`SAME_BITS`) must give the same bits, and the
 others the same values within bf16 rounding, before anything is timed. Cases: decode and random branching trees of 16 nodes at
 batch 1, 16 and 64, contexts drawn from 300-900 keys.
 
@@ -59,11 +55,9 @@ from ngram_hal_cuda import CudaBackend  # noqa: E402
 WIDTH = 2048
 SETTINGS = ("default", "invariant, one per split", "invariant, fill 1", "invariant", "invariant, never folded",
             "invariant, folded from 1/8 fill", "invariant, 64 keys", "invariant, 256 keys", "default, 4x programs",
-            "invariant, 64-row tiles", "default, merge launched", "invariant, merge launched")
-SAME_BITS = (*SETTINGS[1:6], "invariant, merge launched")
+            "invariant, 64-row tiles")
+SAME_BITS = SETTINGS[1:6]
 """The settings that take the same splits in other programs: bit for bit the same results."""
-SAME_AS_DEFAULT = ("default, merge launched",)
-"""Default-mode settings that merge the same splits elsewhere: bit for bit the default's results."""
 
 
 def branching_tree(rng: random.Random, size: int) -> list[int]:
@@ -88,8 +82,7 @@ def backends(device: str) -> dict[str, tuple[CudaBackend, bool]]:
     fill = num_programs_to_fill(base.device)
     overrides = ({}, {"attn_programs": 1 << 20}, {"attn_invariant_fill": 1}, {}, {"attn_invariant_fold": None},
                  {"attn_invariant_fold": 8}, {"attn_invariant_keys": 64}, {"attn_invariant_keys": 256},
-                 {"attn_programs": 4 * fill}, {"attn_invariant_block_m": 64}, {"attn_merge_in_kernel": False},
-                 {"attn_merge_in_kernel": False})
+                 {"attn_programs": 4 * fill}, {"attn_invariant_block_m": 64})
     made = {}
     for name, changes in zip(SETTINGS, overrides):
         backend = base if name == "default" else CudaBackend(device=device)
@@ -128,10 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   batch_invariant=invariant)
                 calls[name] = lambda b=backend, layout=layout: b.attention(**a, layout=layout)
             got = {name: fn() for name, fn in calls.items()}
-            for reference, same in ((SAME_BITS[0], SAME_BITS[1:]), ("default", SAME_AS_DEFAULT)):
-                for name in same:
-                    if not torch.equal(got[name], got[reference]):
-                        raise SystemExit(f"{case}: '{name}' and '{reference}' differ")
+            for name in SAME_BITS[1:]:
+                if not torch.equal(got[name], got[SAME_BITS[0]]):
+                    raise SystemExit(f"{case}: '{name}' and '{SAME_BITS[0]}' differ")
             err = max((got[name].float() - got["invariant"].float()).abs().max().item()
                       for name in SETTINGS if name not in SAME_BITS)
             if err > 0.02:
@@ -151,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "attn_invariant_fill": b.launch.attn_invariant_fill,
                                   "attn_invariant_keys": b.launch.attn_invariant_keys,
                                   "attn_invariant_fold": b.launch.attn_invariant_fold,
-                                  "attn_invariant_block_m": b.launch.attn_invariant_block_m,
-                                  "attn_merge_in_kernel": b.launch.attn_merge_in_kernel}
+                                  "attn_invariant_block_m": b.launch.attn_invariant_block_m}
                            for name, (b, inv) in settings.items()}, "results": results}
     write_report(args.json, report, console)
     return 0

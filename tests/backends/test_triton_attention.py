@@ -1,6 +1,6 @@
 """The Triton paged-attention kernel (``ngram_hal.kernels.triton.attention``) against float64 dense
 attention: every batch kind, grouped-query head maps, head sizes, the three KV dtypes, with and
-without the key split and its merge (in the kernel or a merge kernel), and default-mode robustness. Runs under Triton's
+without the key split and its merge kernel, and default-mode robustness. Runs under Triton's
 interpreter on the CPU (``tests/conftest.py``) or compiled on a CUDA device."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from ngram_hal_conformance.test_attention import TOLERANCE, attention_call, dens
 from numerics import assert_invariant
 
 pytest.importorskip("triton")
-from ngram_hal.kernels.triton.counters import tile_counters  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,24 +58,6 @@ def test_matches_dense(name, dtype, split):
     call = attention_call(random.Random(name), DEVICE, dtype, heads=(6, 2), poison=True, spare_slots=6,
                           **CASES[name])
     _check(_backend(split), call, f"{name} {dtype}")
-
-
-@pytest.mark.parametrize("name", ["decode", "mixed", "tree", "invariant decode", "invariant tree"])
-def test_the_merge_in_the_kernel_gives_the_merge_kernels_bits(name):
-    """The split keys' results merged by the last program of each tile and head to finish, against
-    the merge kernel launched after the attention kernel: the same bits (one fold in split order),
-    and every tile's counter back at zero. The batch-invariant mode takes its three fixed splits in
-    two programs a tile and head (40 programs to fill), whose last one merges."""
-    invariant = name.startswith("invariant")
-    a = attention_call(random.Random(f"merge-{name}"), DEVICE, torch.bfloat16, heads=(6, 2), extra_cols=300,
-                       **CASES[name.removeprefix("invariant ")]).args
-    outs = []
-    for in_kernel in (True, False):
-        backend = _backend(True, 40 if invariant else None)
-        backend.launch = replace(backend.launch, attn_merge_in_kernel=in_kernel)
-        outs.append(_invariant(backend, a) if invariant else backend.attention(**a))
-    assert torch.equal(outs[0], outs[1]), "the merge in the kernel and the merge kernel differ"
-    assert not tile_counters(outs[0].device, 1, "test").any(), "a tile's counter was left set"
 
 
 @pytest.mark.parametrize("heads", [(1, 1), (4, 4), (8, 2), (9, 3), (16, 1), (32, 8)], ids=str)

@@ -47,35 +47,31 @@ KERNELS["move_kv registers"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS,
                                 dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=False), 16)
 KERNELS["move_kv scratch"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS, dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=True), 16)
 ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_o_ptr=F32P, mid_lse_ptr=F32P,
-                      fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P, count_ptr="*i32",
+                      fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P,
                       req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
                       tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, path_ptr=I64P, B="i32", R="i32", M="i32", S="i32",
                       N="i32", stride_slot="i32", sm_scale_log2="fp32", chunk="i32", SPLITS="i32")
-# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path, part, fold, merge, dtype): SmolLM2 and
-# Llama-8B heads; decode, tree verify (also along each node's path: the batch-invariant mode, whose
-# splits a program may fold as it walks them, the shared prefix first), prefill; split keys merged
-# by the last program of a tile and head; float32 (IEEE products, the conformance suite's) with a
-# 64-node tree.
+# (Hq, H, d, tree D, BLOCK_Q, BLOCK_M, BLOCK_N, split, path, part, fold, dtype): SmolLM2 and Llama-8B
+# heads; decode, tree verify (also along each node's path: the batch-invariant mode, whose splits a
+# program may fold as it walks them, the shared prefix first), prefill; float32 (IEEE products, the
+# conformance suite's) with a 64-node tree.
 ATTENTION_CASES = {
-    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, False, False, BF16P),
-    "decode split merged, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, False, True, BF16P),
-    "decode folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, True, False, BF16P),
-    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 128, False, False, 0, False, False, BF16P),
-    "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True, 2, False, False, BF16P),
-    "tree 16 on paths merged, 9/3x64": (9, 3, 64, 16, 1, 16, 64, True, True, 2, False, True, BF16P),
-    "shared prefix folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 1, True, False, BF16P),
-    "tree 16 on paths folded, 9/3x64": (9, 3, 64, 16, 1, 16, 64, True, True, 2, True, False, BF16P),
-    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False, 0, False, False, BF16P),
-    "decode split merged, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False, 0, False, True, BF16P),
-    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False, 0, False, True, BF16P),
-    "tree 64 float32, 8/2x64": (8, 2, 64, 64, 16, 64, 64, True, False, 0, False, True, F32P),
+    "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, False, BF16P),
+    "decode folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, True, BF16P),
+    "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 128, False, False, 0, False, BF16P),
+    "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True, 2, False, BF16P),
+    "shared prefix folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 1, True, BF16P),
+    "tree 16 on paths folded, 9/3x64": (9, 3, 64, 16, 1, 16, 64, True, True, 2, True, BF16P),
+    "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False, 0, False, BF16P),
+    "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False, 0, False, BF16P),
+    "tree 64 float32, 8/2x64": (8, 2, 64, 64, 16, 64, 64, True, False, 0, False, F32P),
 }
-for name, (Hq, H, d, T, BQ, BM, BN, split, path, part, fold, merge, dtype) in ATTENTION_CASES.items():
+for name, (Hq, H, d, T, BQ, BM, BN, split, path, part, fold, dtype) in ATTENTION_CASES.items():
     KERNELS[f"attention {name}"] = ("triton.attention", "attention_kernel",
                                     dict(ATTENTION_ARGS, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype),
                                     dict(Hq=Hq, H=H, HEAD_DIM=d, TREE_D=T, BLOCK_Q=BQ, BLOCK_M=BM, BLOCK_N=BN,
                                          BLOCK_D=d, SPLIT=split, EVEN=not path, PATH=path, PART=part, FOLD=fold,
-                                         MERGE=merge, MERGE_S=16, IEEE=dtype == F32P, UPCAST=False, PDL=False), 4)
+                                         IEEE=dtype == F32P, UPCAST=False, PDL=False), 4)
 KERNELS["attention merge"] = ("triton.attention", "merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, ROWS="i32", SPLITS="i32"),
                               dict(HEAD_DIM=64, BLOCK_R=8, BLOCK_S=16, BLOCK_D=64, PDL=False), 4)

@@ -93,5 +93,5 @@ def test_launch_fields_apply_to_triton_kernels_only(tmp_path, monkeypatch):
     shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
                                  "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
     with pytest.raises(SystemExit, match="--launch: the cpu backend's model kernels have no Triton launch"):
-        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--launch", "attn_merge_in_kernel=false",
+        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--launch", "attn_invariant_fill=2",
                            "--json", str(tmp_path / "out.json")])

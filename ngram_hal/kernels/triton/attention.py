@@ -7,9 +7,8 @@ BLOCK_Q * G`` rows, so a decode step still feeds the matrix units), and it walks
 blocks of ``BLOCK_N``, reading each key's slot from ``req_to_token`` and the K/V rows from the
 cache (any page size: the table maps positions to slots one by one), with an online softmax.
 When tiles times heads are too few to fill the device, the key range is split (flash-decoding) and
-the partial results are folded in split order by their log-sum-exp (:func:`fold_split`): by the
-last of a tile and head's programs to finish (``LaunchConfig.attn_merge_in_kernel``: no second
-launch), or by a merge kernel. The number of splits follows the
+a second kernel folds the partial results in split order by their log-sum-exp
+(:func:`fold_split`). The number of splits follows the
 host's bound on the keys; each request's own keys are then shared evenly by the splits (whole key
 blocks), so a short context in a step captured for long ones still spreads over every split.
 
@@ -49,7 +48,6 @@ import triton.language as tl
 
 from ...layout import AttentionLayout
 from ...kv_cache import KVCache
-from .counters import tile_counters
 from .launch import LaunchConfig, interpreting, num_programs_to_fill, pow2_floor
 from .pdl import await_previous, pdl_keywords
 
@@ -78,14 +76,14 @@ def fold_split(run_m, run_w, run_o, lse, o):
 
 @triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk", "SPLITS"])
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk, SPLITS,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, FOLD: tl.constexpr,
-    MERGE: tl.constexpr, MERGE_S: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     tile = tl.program_id(0)
@@ -238,52 +236,34 @@ def attention_kernel(
             o = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
             tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
-        if MERGE:
-            # The last of the tile and head's programs to finish folds every split's result, as
-            # the merge kernel would (ngram_hal.kernels.triton.counters).
-            tl.debug_barrier()
-            counter = count_ptr + tile * H + h
-            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                tl.atomic_xchg(counter, 0)
-                o = merge_splits(mid_o_ptr, mid_lse_ptr, fold_row, row_ok, cols, col_ok, N * Hq, SPLITS, HEAD_DIM,
-                                 MERGE_S)
-                tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :], o.to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def merge_splits(mid_o_ptr, mid_lse_ptr, rows, row_ok, cols, col_ok, ROWS, SPLITS, HEAD_DIM: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
-    """float32[R, D]: rows ``rows`` (query x query head, of ``ROWS``) of the splits' results
-    (``mid_*[split, row]``) folded in split order (fold_split), ``BLOCK_S`` splits' loads issued
-    together (none waits for another's value). Elementwise per row, so which rows a program takes
-    does not change a row's bits."""
-    run_m = tl.full(rows.shape, float("-inf"), tl.float32)
-    run_w = tl.zeros(rows.shape, tl.float32)
-    run_o = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
-    for s0 in range(0, SPLITS, BLOCK_S):
-        for i in tl.static_range(BLOCK_S):
-            split = tl.zeros(rows.shape, tl.int64) + s0 + i
-            part = split * ROWS + rows
-            ok = row_ok & (split < SPLITS)
-            lse = tl.load(mid_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            # An empty split's output was never written; fold_split leaves its rows as they were.
-            o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-            run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
-    return run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
 
 
 @triton.jit
 def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: :func:`merge_splits`."""
+    """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: the splits' results
+    (``mid_*[split, r]``) folded in split order (fold_split), ``BLOCK_S`` splits' loads issued
+    together (none waits for another's value). Elementwise per row, so the rows a program takes do
+    not change a row's bits."""
     await_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
-    merged = merge_splits(mid_o_ptr, mid_lse_ptr, rows, row_ok, cols, col_ok, ROWS, SPLITS, HEAD_DIM, BLOCK_S)
+    run_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    run_w = tl.zeros((BLOCK_R,), tl.float32)
+    run_o = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        for i in tl.static_range(BLOCK_S):
+            split = tl.zeros((BLOCK_R,), tl.int64) + s0 + i
+            part = split * ROWS + rows
+            ok = row_ok & (split < SPLITS)
+            lse = tl.load(mid_lse_ptr + part, mask=ok, other=float("-inf"))
+            # An empty split's output was never written; fold_split leaves its rows as they were.
+            o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
+    merged = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -411,20 +391,14 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     # attn_invariant_fold times over; fewer take the splits in parallel and a merge folds them.
     fold = (layout.batch_invariant and splits > 1 and cfg.attn_invariant_fold is not None
             and first_tiles.req.shape[0] * H >= want * cfg.attn_invariant_fold)
-    # Split results not folded in the kernel are merged by the last program of each tile and head
-    # (attn_merge_in_kernel) or by a merge launch after the attention launches.
-    merge_in_kernel = splits > 1 and not fold and cfg.attn_merge_in_kernel
-    mid_o = mid_lse = fold_m = fold_w = fold_o = counters = out
+    mid_o = mid_lse = fold_m = fold_w = fold_o = out
     if splits > 1 and not fold:
         mid_o = torch.empty((splits, N, Hq, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((splits, N, Hq), dtype=torch.float32, device=q.device)
-    if merge_in_kernel:
-        counters = tile_counters(q.device, tiles.req.shape[0] * H, "attention")
     if fold and shared_prefix:
         fold_m = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         fold_w = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         fold_o = torch.empty((N, Hq, d), dtype=torch.float32, device=q.device)
-    merge_s = min(16, _pow2(splits))
     mask = tree.view(torch.uint8) if tree is not None else plan.q_lens
     k_layer, v_layer = kv.k[layer], kv.v[layer]
 
@@ -439,15 +413,14 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         elif layout.batch_invariant:
             programs = min(splits, max(1, -(-want * cfg.attn_invariant_fill // (tiles.req.shape[0] * H))))
         attention_kernel[(tiles.req.shape[0], H, programs)](
-            q, k_layer, v_layer, out, mid_o, mid_lse, fold_m, fold_w, fold_o, counters,
+            q, k_layer, v_layer, out, mid_o, mid_lse, fold_m, fold_w, fold_o,
             layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
             tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
             B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
             k_layer.stride(0), sm_scale * _LOG2E, chunk, splits,
             Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part, FOLD=fold,
-            MERGE=merge_in_kernel and part != 1, MERGE_S=merge_s, IEEE=q.dtype == torch.float32,
-            UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
             **pdl_keywords(cfg.pdl), **cfg.options())
 
@@ -460,11 +433,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         launch(tiles, True, 2)
     else:
         launch(tiles, on_path, 0)
-    if splits > 1 and not fold and not merge_in_kernel:
+    if splits > 1 and not fold:
         # As many rows a program as keep the programs filling the device, up to 16.
         block_r = min(16, pow2_floor(N * Hq // want))
         merge_kernel[(-(-N * Hq // block_r),)](mid_o, mid_lse, out, N * Hq, splits, HEAD_DIM=d, BLOCK_R=block_r,
-                                               BLOCK_S=merge_s, BLOCK_D=block_d,
+                                               BLOCK_S=min(16, _pow2(splits)), BLOCK_D=block_d,
                                                num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl), **cfg.options())
     return out
 

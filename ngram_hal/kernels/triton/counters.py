@@ -1,8 +1,8 @@
 """Per-device tile counters: how a kernel's programs learn which of them finishes a tile last.
 
-A kernel that spreads one output tile over several programs (a product's K splits, attention's
-key splits) can let the last of them finish the tile instead of launching a second kernel: each
-program stores its partial result, waits for all its threads' stores (``tl.debug_barrier``), then
+A kernel that spreads one output tile over several programs (a product's K splits) can let the
+last of them finish the tile instead of launching a second kernel: each program stores its partial
+result, waits for all its threads' stores (``tl.debug_barrier``), then
 adds one to the tile's counter with acquire-release order (``tl.atomic_add(..., sem="acq_rel")``);
 the program that reads ``programs - 1`` reads the partials back (``cache_modifier=".cg"``), sets
 the counter to zero again and finishes the tile. Which program comes last changes nothing but who

@@ -31,9 +31,6 @@ class LaunchConfig:
             sit at fixed positions whatever the batch (None: four steps of the key loop). Fewer keys
             a split spread a small batch's keys over more programs; more keys a split merge fewer
             partial results in a large batch.
-        attn_merge_in_kernel: the key splits' results (outside an in-kernel fold) are merged by
-            the last program of each tile and head to finish (True), or by a merge kernel launched
-            after the attention kernel (False). The same bits either way.
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
@@ -98,7 +95,6 @@ class LaunchConfig:
     attn_invariant_fill: int = 4
     attn_invariant_fold: int | None = 2
     attn_invariant_block_m: int | None = None
-    attn_merge_in_kernel: bool = True
     attn_num_stages: int = 2
     attn_key_bytes: int = 8192
     attn_warps: int | None = None

@@ -1,25 +1,26 @@
 """The model's projections at real shapes: every candidate product timed, the fastest written as the
 backend's product table.
 
-For each shape (``--shapes``: presets of :data:`ngram_hal.engine.shapes.PRESETS` or JSON files)
-the five products of a decode step (QKV after the attention norm, the output projection and its
-residual add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run
-through the engine's own Triton model kernels at each row count of ``--rows``, once per candidate:
-the steps apart (the norm kernel, cuBLAS, the SwiGLU kernel) and the fused product in each tiling
-of :data:`SWEEP` (those that split K up to 64 rows). A candidate must agree with the steps apart before it is timed. Time is device
-time per call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them,
-more than the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it
-reaches against a device-to-device copy measured in the same run.
+For each shape (``--shapes``: presets of :data:`ngram_hal.engine.shapes.PRESETS` or JSON files) the
+five products of a decode step (QKV after the attention norm, the output projection and its residual
+add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run through the
+engine's own Triton model kernels at each row count of ``--rows``, once per candidate: the steps
+apart (the norm kernel, cuBLAS, the SwiGLU kernel) and the fused product in each tiling of
+:data:`SWEEP` (those that split K up to 64 rows). A candidate must agree with the steps apart before
+it is timed. Time is device time per call from a CUDA graph that cycles through copies of the weight
+(at least 256 MB of them, more than the L2 cache, as a model's layers are), reported with the
+bandwidth of weight bytes it reaches against a device-to-device copy measured in the same run.
 
-``--write-table PATH`` writes the choice per weight shape (:mod:`ngram_hal.kernels.triton.products`),
-keeping the shapes a table already there holds and this run did not sweep: the fastest candidate
-at each row count (the steps apart included) and the fastest fused tiling there that does not
-split K; whether every such tiling gave every row the same bits at every row count (each candidate's rows are compared
-with the first tiling's on the most rows), which lets the batch-invariant mode take the fastest
-fused tiling per row count; and the one tiling with the least time summed over the row counts,
-each relative to that count's fastest, for devices where the bits differ. The cuda backend runs
-by the table of its GPU model (``ngram_hal_cuda/products/``); ``bench/bench_shapes.py --products
-table,fixed`` runs the engine by it beside the fixed rule.
+``--write-table PATH`` writes the choice per weight shape
+(:mod:`ngram_hal.kernels.triton.products`), keeping the shapes a table already there holds and this
+run did not sweep: the fastest candidate at each row count (the steps apart included) and the
+fastest fused tiling there that does not split K; whether every such tiling gave every row the same
+bits at every row count (each candidate's rows are compared with the first tiling's on the most
+rows), which lets the batch-invariant mode take the fastest fused tiling per row count; and the one
+tiling with the least time summed over the row counts, each relative to that count's fastest, for
+devices where the bits differ. The cuda backend runs by the table of its GPU model
+(``ngram_hal_cuda/products/``); ``bench/bench_shapes.py --products table,fixed`` runs the engine by
+it beside the fixed rule.
 
     python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
         --write-table backends/cuda/ngram_hal_cuda/products/h200.json --json reports/bench_products.json

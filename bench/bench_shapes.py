@@ -10,20 +10,21 @@ from the moment every request has its first token (the prefill's) to the last on
 prefill is left out; the time between engine turns is kept too (median and slowest).
 
 Reported per row: decode tok/s, ms per step, and for plain steps the weight-streaming limit
-(``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the
-same run) and the fraction of it reached, and the roofline: the lower of the tokens per second
-that the copy bandwidth allows for a step's bytes (weights and the KV rows it reads) and that a
-bf16 matrix product's measured throughput allows for its operations, and the share of it reached;
-for verify steps the cost of a step against a plain step at the same batch. ``--products
-table,fixed`` runs each batch twice, the projections' products as the cuda backend's sweep table
-for this GPU chose them (``bench/bench_products.py``; the backend's default) and by the fixed
-rule, side by side (or by a table file: ``--products table,old.json``); ``--pdl on,off`` likewise with the layer
-kernels launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one
-after another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same
-shape (its own random weights), batch 1. ``--profile-steps N`` adds to each row, on CUDA, N decode
-steps under the profiler: kernels, launches and device time a step, and the costliest kernels
-(``bench/step_profile.py``). Targets from the real-shapes issue are checked
-and printed, never an exit code.
+(``B * copy bandwidth / bytes of weights a step reads``; the copy bandwidth is measured in the same
+run) and the fraction of it reached, and the roofline: the lower of the tokens per second that the copy
+bandwidth allows for a step's bytes (weights and the KV rows it reads) and that a bf16 matrix
+product's measured throughput allows for its operations, and the share of it reached; for verify
+steps the cost of a step against a plain step at the same batch. ``--products table,fixed`` runs
+each batch twice, the projections' products as the cuda backend's sweep table for this GPU chose
+them (``bench/bench_products.py``; the backend's default) and by the fixed rule, side by side (or by
+a table file: ``--products table,old.json``); ``--pdl on,off`` likewise with the layer kernels
+launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one after
+another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same shape
+(its own random weights), batch 1. ``--launch FIELD=VALUE,...`` sets fields of the Triton launch
+configuration for every row. ``--profile-steps N`` adds to each row, on CUDA, N decode steps under
+the profiler: kernels, launches and device time a step, and the costliest kernels
+(``bench/step_profile.py``). Targets from the real-shapes issue are checked and printed, never an
+exit code.
 
     python bench/bench_shapes.py --device cuda --shapes llama-1b,llama-8b --transformers
     python bench/bench_shapes.py --device cpu --shapes tiny.json --batch-sizes 1 --prompt-len 16 --new-tokens 4

@@ -15,11 +15,12 @@ so a 1-row decode and a 16-row verify can round the same row differently); that 
 ``invariant_linear``. (Under Triton's interpreter, whose half-precision products are wrong,
 operands are widened to float32 first.)
 
-A product of a few rows over a weight with few output tiles (a 1B or 8B model's QKV, output and
-down projections at batch 1: 64-192 tiles of 32 columns for an H200's 132 multiprocessors) leaves
-the device's bandwidth idle; a tiling's ``split_k`` cuts its reduction into runs, one program
-each, whose float32 partial sums the tile's last program adds in split order before the
-epilogue (one launch, no atomics on the values, the same bits on every run).
+A product of a few rows over a weight with few output tiles (a 1B model's down projection at batch
+1: 64 tiles of 32 columns, each a walk over 8,192 inputs, for an H200's 132 multiprocessors) leaves
+the device's bandwidth idle; a tiling's ``split_k`` cuts its reduction into runs, one program each,
+whose float32 partial sums the tile's last program adds in split order before the epilogue (one
+launch, no atomics on the values, the same bits on every run). The product table takes it where the
+sweep found it faster.
 """
 
 from __future__ import annotations

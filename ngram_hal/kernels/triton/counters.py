@@ -1,12 +1,12 @@
 """Per-device tile counters: how a kernel's programs learn which of them finishes a tile last.
 
-A kernel that spreads one output tile over several programs (a product's K splits) can let the
-last of them finish the tile instead of launching a second kernel: each program stores its partial
-result, waits for all its threads' stores (``tl.debug_barrier``), then
-adds one to the tile's counter with acquire-release order (``tl.atomic_add(..., sem="acq_rel")``);
-the program that reads ``programs - 1`` reads the partials back (``cache_modifier=".cg"``), sets
-the counter to zero again and finishes the tile. Which program comes last changes nothing but who
-does the finishing, so the result's bits do not depend on the order the programs run in.
+A kernel that spreads one output tile over several programs (a product's K splits) can let the last
+of them finish the tile instead of launching a second kernel: each program stores its partial
+result, waits for all its threads' stores (``tl.debug_barrier``), then adds one to the tile's
+counter with acquire-release order (``tl.atomic_add(..., sem="acq_rel")``); the program that reads
+``programs - 1`` reads the partials back (``cache_modifier=".cg"``), sets the counter to zero again
+and finishes the tile. Which program comes last changes nothing but who does the finishing, so the
+result's bits do not depend on the order the programs run in.
 
 Every such launch on a device shares one buffer, all zero between launches. Launches on one
 stream never run at once (a kernel launched early waits for the one before it before any memory

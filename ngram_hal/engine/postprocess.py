@@ -51,6 +51,9 @@ class Postprocessor:
         if step.kind == "decode":
             self._check_lengths(step.reqs, lens, D)
         shadow = step.shadow.tolist() if step.shadow is not None else None
+        offered = step.offered
+        if shadow is None and step.kind == "decode" and step.tree_size == 1 and self.policy.mode == "auto":
+            shadow, offered = self._score_plain(step, tokens, D)
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
         records = self.policy.records
         ended, fed, rows, committed, hits = [], [], 0, 0, 0
@@ -69,7 +72,7 @@ class Postprocessor:
                     hits += shadow[b]
                 record = records.get(r.rid)
                 if record is not None:
-                    record.add(step.offered[b], int(shadow[b]) if shadow is not None else n - 1)
+                    record.add(offered[b], int(shadow[b]) if shadow is not None else n - 1)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)
@@ -126,6 +129,23 @@ class Postprocessor:
         else:
             self.stats.critical_s += elapsed
         return outputs
+
+    def _score_plain(self, step: InflightStep, tokens: list[int], stride: int) -> tuple[list[int] | None, list[int]]:
+        """A plain step of a host drafter under ``auto``: each request's first draft (drafted now,
+        from the tokens before the step's) against the token the step committed, so acceptance
+        follows the text while no step speculates. ``(hits, offered)``, or (None, the step's
+        offered) where the source scores plain steps itself or drafts nothing."""
+        live = [b for b, r in enumerate(step.reqs) if not r.finished]
+        start = time.perf_counter()
+        guesses = self.drafts.first_drafts([step.reqs[b].rid for b in live])
+        self.stats.draft_s += time.perf_counter() - start
+        if guesses is None:
+            return None, step.offered
+        hits, offered = [0] * len(step.reqs), [0] * len(step.reqs)
+        for b, guess in zip(live, guesses):
+            offered[b] = int(guess >= 0)
+            hits[b] = int(guess == tokens[b * stride])
+        return hits, offered
 
     def release(self, reqs: list[Request]) -> None:
         """Drop finished requests from the batch and the relay, and free their rows and slots."""

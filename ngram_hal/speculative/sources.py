@@ -108,6 +108,13 @@ class DraftSource:
         """The verify step of the requests in ``rows`` was enqueued and gave ``relay``;
         ``captured``: it was a captured greedy step (which drafts with :attr:`graph_drafter`)."""
 
+    def first_drafts(self, rids: Sequence[str]) -> list[int] | None:
+        """On the host, before a plain step's tokens are recorded: each request's first draft for
+        the position that step committed (-1 where it has none), to score against the committed
+        token; None where the source scores plain steps itself (:attr:`Trees.guess`) or drafts
+        nothing."""
+        return None
+
 
 class HostDrafts(DraftSource):
     """Draft trees from a host drafter, uploaded for each step.
@@ -156,6 +163,13 @@ class HostDrafts(DraftSource):
         if padded and n > 1:
             n = min(tree_size, 1 << (n - 1).bit_length())  # more padding nodes, fewer shapes
         return n
+
+    def first_drafts(self, rids) -> list[int]:
+        # The drafter has recorded every token before the plain step's: its first draft is its
+        # guess of the token that step committed.
+        draft = self.drafter.draft(rids, 2)
+        firsts = draft.tokens.view(len(rids), 2)[:, 1].tolist()
+        return [t if d > 1 else -1 for t, d in zip(firsts, draft.drafted.tolist())]
 
     def trees(self, relay, rows, tree_size: int, score_plain: bool) -> Trees:
         draft, self._draft = self._draft, None

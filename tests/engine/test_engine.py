@@ -604,11 +604,18 @@ def test_seeded_sampling_commits_the_same_tokens_whatever_the_speculation(model,
     assert speculated > 0, "no draft was accepted: the comparison would not involve speculation"
 
 
-def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, reference):
-    """Under ``auto`` with the device drafter, a plain step still learns from its drafts: each
-    request's first draft (drafted on the device anyway) is compared with the token the step
-    committed, and the request's acceptance record counts it; the tokens stay exact."""
-    engine = make(model, tree_size=8, overlap=True, drafter="device", spec_policy="auto")
+@pytest.mark.parametrize("drafter, overlap", [("device", True), ("linear", True), ("trie", False)])
+def test_auto_scores_the_drafts_of_its_plain_steps(model, prompts, reference, drafter, overlap):
+    """Under ``auto`` a plain step still learns from its drafts: each request's first draft
+    (drafted on the device anyway, or by a host drafter from the tokens before the step's) is
+    compared with the token the step committed, and the request's acceptance record counts it;
+    the tokens stay exact."""
+    _plain_step_hits(model, prompts, reference, drafter, overlap)
+
+
+def _plain_step_hits(model, prompts, reference, drafter: str, overlap: bool) -> int:
+    """Plain steps only under ``auto``: checks as the test above says; the first drafts that hit."""
+    engine = make(model, tree_size=8, overlap=overlap, drafter=drafter, spec_policy="auto")
     engine.policy.peek = engine.policy.choose = lambda bucket, requests, context: 1
     records, drop = {}, engine.policy.drop
 
@@ -624,6 +631,15 @@ def test_auto_scores_the_device_drafts_of_its_plain_steps(model, prompts, refere
     assert 0 < stats.shadow_hits < stats.shadow_drafts, "the loops of the model's greedy output are drafted, not all of it"
     assert len(records) == len(prompts) and all(sum(a.first) > 0 for a in records.values())
     assert_all_free(engine)
+    return stats.shadow_hits
+
+
+def test_host_prompt_lookup_scores_its_plain_steps_as_the_device_drafter_does(model, prompts, reference):
+    """The linear drafter is the device drafter's prompt lookup on the host: scored from the tokens
+    before each plain step's, its first drafts hit exactly as often, so each guess is of the
+    position the step committed (with overlap, the step after it is enqueued first)."""
+    hits = [_plain_step_hits(model, prompts, reference, drafter, True) for drafter in ("device", "linear")]
+    assert hits[0] == hits[1]
 
 
 def test_prefill_row_counts_compiled_before_serving(model, monkeypatch):

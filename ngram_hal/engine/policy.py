@@ -19,9 +19,10 @@ model expects to commit the most tokens per second for the whole batch.
   a draft is accepted once the one before it was (``p_next``). N-gram drafts are accepted in runs:
   a request copying its context accepts most of a chain once the first draft is right, while the
   first draft is often wrong, so one rate for every draft would undervalue long chains. Only the
-  drafts a step really offered count (a host drafter may find fewer than ``n - 1``; with the device
-  drafter a plain step offers each request's first draft, drafted anyway, and scores it against
-  the token it committed). A step of n nodes is then expected to commit
+  drafts a step really offered count (a host drafter may find fewer than ``n - 1``). A plain step
+  scores each request's first draft against the token it committed: the device drafter's, drafted
+  anyway, or a host drafter's, drafted from the tokens before the step's. A step of n nodes is
+  then expected to commit
   ``1 + p_first * (1 + p_next + ... + p_next**(n-2))`` tokens of the request.
 
 The next size is the one with the highest ``sum of every request's expected tokens / step

@@ -8,7 +8,10 @@ gives the model (QuantPanelLinear, the file's Q4_1 and Q8_0 codes), PanelLinear 
 dequantized float32 weights, and F.linear over them. Reports the median step time of each and the
 ratios.
 
-    python bench/bench_panel_linear.py [--threads 1] [--rows 1 2 4 8 16 32 64] [--json PATH]
+    python bench/bench_panel_linear.py [--threads 1] [--rows 1 2 4 8 16 32 64] [--kernel-rows N] [--json PATH]
+
+``--kernel-rows`` moves the row count past which both panel sides go to BLAS (``0``: BLAS for
+every count, a large value: the kernel for every count), to time one against the other.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--prefill-rows", type=int, default=444)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kernel-rows", type=int, default=None,
+                    help="the most rows the compiled kernel takes before BLAS (default: the layers' own)")
     ap.add_argument("--json", default="reports/bench_panel_linear.json")
     args = ap.parse_args()
     if args.threads:
@@ -58,8 +63,13 @@ def main() -> None:
     sides["dense"] = [DenseLinear(lin.dense()) for lin in sides["codes"]]
     heads = {"codes": model.lm_head, "panels": PanelLinear(model.lm_head.dense()),
              "dense": DenseLinear(model.lm_head.dense())}
+    if args.kernel_rows is not None:
+        for lin in [*sides["codes"], *sides["panels"], heads["codes"], heads["panels"]]:
+            lin.kernel_rows = args.kernel_rows
     console = make_console()
-    table = make_table(f"Projections of one SmolLM2-135M step, float32, {torch.get_num_threads()} thread(s)",
+    kernel_rows = sides["codes"][0].kernel_rows
+    table = make_table(f"Projections of one SmolLM2-135M step, float32, {torch.get_num_threads()} thread(s), "
+                       f"the kernel up to {kernel_rows} rows",
                        ("rows", "codes ms", "float panels ms", "F.linear ms", "panels / codes", "F.linear / codes"))
     results = []
     cases = [(m, True) for m in args.rows] + [(args.prefill_rows, False)]
@@ -81,7 +91,8 @@ def main() -> None:
         results.append({"rows": rows, "lm_head": with_head, "codes_ms": c, "panel_ms": p, "f_linear_ms": d,
                         "panels_over_codes": p / c, "f_linear_over_codes": d / c})
     console.print(table)
-    write_report(args.json, {**report_header("bench_panel_linear", model.backend), "results": results}, console)
+    write_report(args.json, {**report_header("bench_panel_linear", model.backend), "kernel_rows": kernel_rows,
+                             "results": results}, console)
 
 
 if __name__ == "__main__":

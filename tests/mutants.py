@@ -1075,7 +1075,7 @@ class ProductsInvariantUpToKernelRows(KernelMutant):
     kernel's rows they go to BLAS, which sums a row in blocks that depend on the call."""
 
     fault, op, kernels = "batch invariance not kept", "linear_add", CpuLayerKernels
-    caught_by = tuple(f"test_invariance.py::test_model_kernel_rows_do_not_depend_on_the_batch[{n}]" for n in (40, 300))
+    caught_by = ("test_invariance.py::test_model_kernel_rows_do_not_depend_on_the_batch[300]",)
 
 
 def _lookup_repeats_its_first_draft(table, rows, accept_tokens, accept_lens, new_seq_lens, tree_size, max_ngram,

@@ -45,16 +45,16 @@ def test_an_exact_dequantization_is_recognised_and_nothing_else(fmt):
     assert quantize_exactly(dequantized(fmt, cols=96)[:, :80]) is None, "K not a multiple of the block"
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, KERNEL_ROWS, KERNEL_ROWS + 1, 100, 128, 129, 200])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 100, KERNEL_ROWS, KERNEL_ROWS + 1, 200])
 def test_bit_for_bit_panel_linear(fmt, threads, rows):
-    """Up to ``kernel_rows`` against PanelLinear's kernel (its batch-invariant mode past its own
-    32 rows), past them both through torch.mm on the same panels."""
+    """Up to ``kernel_rows`` against PanelLinear's kernel, past them both through BLAS on the same
+    panels."""
     weight = dequantized(fmt)
     layer = QuantPanelLinear(*quantize_exactly(weight))
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
     got = layer(x)
     assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32 and got.is_contiguous()
-    want = PanelLinear(weight, batch_invariant=rows <= QuantPanelLinear.kernel_rows)(x)
+    want = PanelLinear(weight)(x)
     assert torch.equal(got, want)
     assert torch.get_num_threads() == threads, "one thread runs the serial kernels: numba's pool must not start"
 

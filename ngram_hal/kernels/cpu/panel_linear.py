@@ -8,21 +8,25 @@ measures both on the whole model's weights).
 
 Layout: the ``[N, K]`` weight is stored as ``P = ceil(N / PANEL)`` panels of ``[K, PANEL]``
 (panel p holds output columns ``p*PANEL .. p*PANEL + PANEL-1``, zero-padded), each one
-contiguous block. Up to :data:`KERNEL_ROWS` rows a compiled kernel (numba) reads each panel
-from memory once and adds ``x[m, k] * panel[k, :]`` to the partial sums of row m, for k in order:
-
-* up to :attr:`PanelLinear.few_rows` rows, the ``[M, PANEL]`` partial sums stay in L1;
-* past that, the panel is walked in column strips of :data:`STRIP` and blocks of :data:`ROWS`
-  rows (the input padded with zero rows), each block's ``[ROWS, STRIP]`` partial sums held in a
-  stack buffer that the compiler keeps in registers.
+contiguous block. Up to :data:`KERNEL_ROWS` rows a compiled kernel (numba) walks each panel
+once per block of rows, in order of k, and adds ``x[m, k] * panel[k, :]`` to the partial sums of
+the block's rows, ``[rows, PANEL]`` of them in a stack buffer that the compiler keeps in
+registers: blocks of four rows, and the one to three rows left over as one more block. A panel of 64 columns walked whole streams its weights in
+order, which the memory prefetchers follow; narrower column strips of a wider panel, walked one
+after another, did not (about twice the time for one row).
 
 On one thread the kernel is a serial build (numba's parallel launch costs more than it gives
 there, and its idle pool threads would spin on the other cores); on more, the panels are split
-among ``torch.get_num_threads()`` threads. Both paths do the same float operations per output
-element in the same order, so up to ``KERNEL_ROWS`` an output row does not depend on the other
-rows of the batch or on the thread count (``tests/backends/test_panel_linear.py``). Past that the product
-is compute-bound and each panel goes to ``torch.mm`` (BLAS), unless the layer is batch-invariant:
-then every row count runs the kernel, so that no row's result depends on the rest of the call.
+among ``torch.get_num_threads()`` threads. Every path does the same float operations per output
+element in the same order (a fused multiply-add per k, from zero), so up to ``KERNEL_ROWS`` an
+output row does not depend on the other rows of the batch or on the thread count
+(``tests/backends/test_panel_linear.py``). Past that the product is compute-bound and goes to
+``torch.matmul`` (BLAS) over the panels, unless the layer is batch-invariant: then every row
+count runs the kernel, so that no row's result depends on the rest of the call.
+
+The kernel reads a weight at ``(p, k, j)`` through :func:`weight_at`, which the layer's weight
+arrays pick when the kernel is compiled: float32 panels here, block-quantization codes with their
+scales in :mod:`~ngram_hal.kernels.cpu.quant_linear`.
 """
 
 from __future__ import annotations
@@ -34,91 +38,102 @@ import numpy as np
 import torch
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-PANEL = 192
-STRIP = 16
-ROWS = 4
-FEW_ROWS = 2
-KERNEL_ROWS = 32
+PANEL = 64
+BLOCK_ROWS = 4
+"""Rows of a kernel block; the 1-3 rows left over run as one block of their own size."""
+KERNEL_ROWS = 128
+"""Measured on the 2-core CPU, every projection of SmolLM2, 1 and 2 threads (``python
+bench/bench_panel_linear.py --kernel-rows 0``, then a large value): at 8-128 rows the kernel took
+0.32-0.95x BLAS's time over the file's codes (BLAS after decoding them) and 0.48-0.89x over
+float32 panels; at 444 rows 1.00x and 0.80-0.84x. BLAS takes over past it, where more cores
+share a prefill better than the kernel's split of the panels would."""
 
 
 @intrinsic
-def _tile(typingctx):
-    """A float32[ROWS * STRIP] buffer on the stack: the compiler can keep it in registers, as it
-    knows that no other array aliases it (a heap array gets reloaded after every store)."""
+def _tile(typingctx, rows):
+    """A float32[rows * PANEL] buffer on the stack (``rows`` a literal): the compiler can keep it
+    in registers, as it knows that no other array aliases it (a heap array gets reloaded after
+    every store)."""
+    if not isinstance(rows, types.IntegerLiteral):
+        raise TypingError("_tile: the row count must be a literal")
+    count = rows.literal_value * PANEL
+
     def codegen(context, builder, signature, args):
-        size = context.get_constant(types.intp, ROWS * STRIP)
-        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size)
-    return types.CPointer(types.float32)(), codegen
+        return cgutils.alloca_once(builder, context.get_value_type(types.float32),
+                                   size=context.get_constant(types.intp, count))
+    return types.CPointer(types.float32)(rows), codegen
+
+
+def weight_at(weights, p, k, j):
+    """The float32 weight at row k, column j of panel p, from a layer's weight arrays (a tuple):
+    ``(panels,)`` float32[P, K, PANEL], or block-quantization ``(codes, d, m)`` (see
+    :mod:`~ngram_hal.kernels.cpu.quant_linear`). Compiled code only."""
+    raise NotImplementedError("weight_at runs inside the compiled kernels")
+
+
+@overload(weight_at, inline="always", jit_options={"fastmath": True, "boundscheck": False})
+def _weight_at(weights, p, k, j):
+    if len(weights) == 3:
+        def decoded(weights, p, k, j):
+            codes, d, m = weights
+            b = k >> 5
+            return d[p, b, j] * np.float32(codes[p, k, j]) + m[p, b, j]
+        return decoded
+
+    def stored(weights, p, k, j):
+        return weights[0][p, k, j]
+    return stored
 
 
 @njit(fastmath=True, boundscheck=False, inline="always")
-def _few_rows_panel(x, panels, out, p):
-    """Panel p of ``out = x @ panels``: the ``[M, PANEL]`` partial sums stay in L1 while the
-    panel streams past once."""
-    M, K = x.shape
-    acc = np.zeros((M, PANEL), np.float32)
-    for k in range(K):
-        w = panels[p, k]
-        for m in range(M):
-            xm = x[m, k]
-            a = acc[m]
-            for j in range(PANEL):
-                a[j] += xm * w[j]
-    out[:, p * PANEL:(p + 1) * PANEL] = acc
+def _block(x, weights, out, p, m0, rows):
+    """Panel p of ``out[m0:m0+rows] = x[m0:m0+rows] @ weights``, the partial sums in registers."""
+    acc = carray(_tile(rows), (rows, PANEL))
+    for r in range(rows):
+        for j in range(PANEL):
+            acc[r, j] = 0.0
+    for k in range(x.shape[1]):
+        for j in range(PANEL):
+            w = weight_at(weights, p, k, j)
+            for r in range(rows):
+                acc[r, j] += x[m0 + r, k] * w
+    c0 = p * PANEL
+    for r in range(rows):
+        for j in range(PANEL):
+            out[m0 + r, c0 + j] = acc[r, j]
 
 
 @njit(fastmath=True, boundscheck=False, inline="always")
-def _row_blocks_panel(x, panels, out, p):
-    """Panel p of ``out = x @ panels``, M a multiple of ROWS: column strips of STRIP by blocks of
-    ROWS rows, each block's ``[ROWS, STRIP]`` partial sums in registers."""
-    M, K = x.shape
-    acc = carray(_tile(), (ROWS, STRIP))
-    for s in range(0, PANEL, STRIP):
-        c0 = p * PANEL + s
-        for m0 in range(0, M, ROWS):
-            for r in range(ROWS):
-                for j in range(STRIP):
-                    acc[r, j] = 0.0
-            for k in range(K):
-                x0 = x[m0, k]
-                x1 = x[m0 + 1, k]
-                x2 = x[m0 + 2, k]
-                x3 = x[m0 + 3, k]
-                for j in range(STRIP):
-                    w = panels[p, k, s + j]
-                    acc[0, j] += x0 * w
-                    acc[1, j] += x1 * w
-                    acc[2, j] += x2 * w
-                    acc[3, j] += x3 * w
-            for r in range(ROWS):
-                for j in range(STRIP):
-                    out[m0 + r, c0 + j] = acc[r, j]
-
-
-@njit(fastmath=True, boundscheck=False, inline="always")
-def _panel(x, panels, out, p, blocked):
-    """Panel p of ``out = x @ panels``, by row blocks or (few rows) all rows at once."""
-    if blocked:
-        _row_blocks_panel(x, panels, out, p)
-    else:
-        _few_rows_panel(x, panels, out, p)
+def _panel(x, weights, out, p):
+    """Panel p of ``out = x @ weights``: blocks of BLOCK_ROWS rows, then one of the 1-3 rows left."""
+    M = x.shape[0]
+    whole = M - M % BLOCK_ROWS
+    for m0 in range(0, whole, BLOCK_ROWS):
+        _block(x, weights, out, p, m0, BLOCK_ROWS)
+    if M - whole == 1:
+        _block(x, weights, out, p, whole, 1)
+    elif M - whole == 2:
+        _block(x, weights, out, p, whole, 2)
+    elif M - whole == 3:
+        _block(x, weights, out, p, whole, 3)
 
 
 @njit(cache=True, fastmath=True, boundscheck=False)
-def _panel_matmul(x, panels, out, blocked):
-    """``out[M, P*PANEL] = x[M, K] @ panels`` on the calling thread."""
-    for p in range(panels.shape[0]):
-        _panel(x, panels, out, p, blocked)
+def _matmul(x, weights, out):
+    """``out[M, P*PANEL] = x[M, K] @ weights`` on the calling thread."""
+    for p in range(weights[0].shape[0]):
+        _panel(x, weights, out, p)
 
 
 @njit(cache=True, fastmath=True, boundscheck=False, parallel=True)
-def _panel_matmul_parallel(x, panels, out, blocked):
-    """:func:`_panel_matmul` with the panels split among numba's threads."""
-    for p in prange(panels.shape[0]):
-        _panel(x, panels, out, p, blocked)
+def _matmul_parallel(x, weights, out):
+    """:func:`_matmul` with the panels split among numba's threads."""
+    for p in prange(weights[0].shape[0]):
+        _panel(x, weights, out, p)
 
 
 _local = threading.local()
@@ -133,41 +148,39 @@ def _set_threads(n: int) -> None:
         _local.threads = n
 
 
+def in_panels(a: np.ndarray, dtype) -> np.ndarray:
+    """[N, X] -> [P, X, PANEL] of ``dtype``: column panels of PANEL rows of ``a``, zero-padded."""
+    N = a.shape[0]
+    P = -(-N // PANEL)
+    padded = np.zeros((P * PANEL, a.shape[1]), dtype)
+    padded[:N] = a
+    return np.ascontiguousarray(padded.reshape(P, PANEL, -1).transpose(0, 2, 1))
+
+
 class PanelLinear:
     """``y = x @ weight.T`` for a float32 CPU weight stored in panels (see the module docstring).
 
     Args:
         weight: float32[N, K] on the CPU; copied into the panel layout (the argument is not kept).
-        batch_invariant: the compiled kernel for every row count (BLAS past ``KERNEL_ROWS`` otherwise).
+        batch_invariant: the compiled kernel for every row count (BLAS past ``kernel_rows`` otherwise).
     """
 
     kernel_rows = KERNEL_ROWS
     """The most rows the compiled kernel takes (past them BLAS, outside the batch-invariant mode)."""
-    few_rows = FEW_ROWS
-    """The most rows whose partial sums stay in L1 (past them, blocks of ROWS rows in registers)."""
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"PanelLinear needs a 2-D float32 CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
-        N, K = weight.shape
-        P = -(-N // PANEL)
-        padded = torch.zeros(P * PANEL, K, dtype=torch.float32)
-        padded[:N] = weight
-        self.out_features, self.in_features = N, K
+        self.out_features, self.in_features = weight.shape
         self.batch_invariant = batch_invariant
-        self.panels = padded.view(P, PANEL, K).transpose(1, 2).contiguous()
-        self._panels = self.panels.numpy()
-        self.num_panels = P
+        self.weights = (in_panels(weight.numpy(), np.float32),)
+        """The arrays the kernel reads (see :func:`weight_at`)."""
+        self.num_panels = self.weights[0].shape[0]
 
     def float_panels(self) -> torch.Tensor:
         """The weight's panels as float32[P, K, PANEL] (panel p: output columns ``p*PANEL ..``)."""
-        return self.panels
-
-    def _product(self, x: np.ndarray, out: np.ndarray, blocked: bool, threads: int) -> None:
-        """``out = x @ panels`` by the compiled kernel, on ``threads`` threads."""
-        kernel = _panel_matmul_parallel if threads > 1 else _panel_matmul
-        kernel(x, self._panels, out, blocked)
+        return torch.from_numpy(self.weights[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: float32[M, K] on the CPU -> contiguous float32[M, N], on ``torch.get_num_threads()``
@@ -179,26 +192,18 @@ class PanelLinear:
         width = self.num_panels * PANEL
         threads = torch.get_num_threads()
         if M > self.kernel_rows and not self.batch_invariant:
-            out = torch.empty(M, width, dtype=torch.float32)
-            panels = self.float_panels()
-            for p in range(self.num_panels):
-                out[:, p * PANEL:(p + 1) * PANEL] = torch.mm(x, panels[p])
+            out = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(M, width)
         else:
-            blocked = M > self.few_rows
-            rows = -(-M // ROWS) * ROWS if blocked else M
-            if rows != M:
-                x = torch.cat([x, x.new_zeros(rows - M, self.in_features)])
-            out = torch.empty(rows, width, dtype=torch.float32)
+            out = torch.empty(M, width, dtype=torch.float32)
             if threads > 1:
                 _set_threads(threads)
-            self._product(x.contiguous().numpy(), out.numpy(), blocked, threads)
-            out = out[:M]
+            (_matmul_parallel if threads > 1 else _matmul)(x.contiguous().numpy(), self.weights, out.numpy())
         return out if width == self.out_features else out[:, :self.out_features].contiguous()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight: int64[n] -> float32[n, K] (an embedding lookup in a tied weight)."""
-        return self.panels[ids // PANEL, :, ids % PANEL]
+        return self.float_panels()[ids // PANEL, :, ids % PANEL]
 
     def dense(self) -> torch.Tensor:
         """The weight as float32[N, K] (a copy)."""
-        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].clone()
+        return self.float_panels().transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].clone()

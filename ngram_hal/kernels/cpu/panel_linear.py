@@ -11,9 +11,10 @@ Layout: the ``[N, K]`` weight is stored as ``P = ceil(N / PANEL)`` panels of ``[
 contiguous block. Up to :data:`KERNEL_ROWS` rows a compiled kernel (numba) walks each panel
 once per block of rows, in order of k, and adds ``x[m, k] * panel[k, :]`` to the partial sums of
 the block's rows, ``[rows, PANEL]`` of them in a stack buffer that the compiler keeps in
-registers: blocks of four rows, and the one to three rows left over as one more block. A panel of 64 columns walked whole streams its weights in
-order, which the memory prefetchers follow; narrower column strips of a wider panel, walked one
-after another, did not (about twice the time for one row).
+registers: blocks of four rows, and the one to three rows left over as one more block. A panel
+of 64 columns walked whole streams its weights in order, which the memory prefetchers follow
+better than column strips of a wider panel walked one after another (the layout before, measured
+against this one in ``docs/engine.md``).
 
 On one thread the kernel is a serial build (numba's parallel launch costs more than it gives
 there, and its idle pool threads would spin on the other cores); on more, the panels are split

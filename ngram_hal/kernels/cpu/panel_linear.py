@@ -44,6 +44,9 @@ from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
 PANEL = 64
+CODE_BLOCK = 32
+"""Weights of one row that share a scale (and a minimum) in the block-quantization codes (Q4_1,
+Q8_0) that :func:`weight_at` decodes."""
 BLOCK_ROWS = 4
 """Rows of a kernel block; the 1-3 rows left over run as one block of their own size."""
 KERNEL_ROWS = 128
@@ -81,7 +84,7 @@ def _weight_at(weights, p, k, j):
     if len(weights) == 3:
         def decoded(weights, p, k, j):
             codes, d, m = weights
-            b = k >> 5
+            b = k // CODE_BLOCK
             return d[p, b, j] * np.float32(codes[p, k, j]) + m[p, b, j]
         return decoded
 

@@ -22,10 +22,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .panel_linear import PANEL, PanelLinear, _set_threads, in_panels, weight_at
+from .panel_linear import CODE_BLOCK, PANEL, PanelLinear, _set_threads, in_panels, weight_at
 
-BLOCK = 32
-"""Weights of one row that share a scale (and a minimum) in Q4_1 and Q8_0."""
 FORMATS = ("q4_1", "q8_0")
 
 
@@ -67,9 +65,9 @@ def quantize_exactly(weight: torch.Tensor) -> tuple[str, np.ndarray, np.ndarray,
     ``(format, codes, d, m)`` with codes float32[N, K] (0..15 for Q4_1, -128..127 for Q8_0) and
     ``d``, ``m`` float32[N, K / 32]; None where K is not a multiple of 32 or no format fits."""
     N, K = weight.shape
-    if K % BLOCK or N == 0:
+    if K % CODE_BLOCK or N == 0:
         return None
-    blocks = weight.reshape(N, K // BLOCK, BLOCK)
+    blocks = weight.reshape(N, K // CODE_BLOCK, CODE_BLOCK)
     for fmt in FORMATS:
         found = _derive(blocks[:1], fmt) and _derive(blocks, fmt)  # the first row rejects most weights
         if found is not None:

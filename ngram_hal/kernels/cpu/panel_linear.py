@@ -143,13 +143,18 @@ def _matmul_parallel(x, weights, out):
 _local = threading.local()
 
 
-def _set_threads(n: int) -> None:
-    """Give the parallel kernel ``n`` threads, at most numba's pool (``NUMBA_NUM_THREADS``, all
+def on_torch_threads(serial, parallel):
+    """The build of a kernel for ``torch.get_num_threads()``: ``serial`` on one thread, else
+    ``parallel`` with that many of numba's threads (at most its pool, ``NUMBA_NUM_THREADS``, all
     cores by default). numba's setting is per calling thread; the last value is remembered per
     thread, as setting it costs a few microseconds."""
+    n = torch.get_num_threads()
+    if n == 1:
+        return serial
     if getattr(_local, "threads", 0) != n:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
         _local.threads = n
+    return parallel
 
 
 def in_panels(a: np.ndarray, dtype) -> np.ndarray:
@@ -180,7 +185,11 @@ class PanelLinear:
         self.batch_invariant = batch_invariant
         self.weights = (in_panels(weight.numpy(), np.float32),)
         """The arrays the kernel reads (see :func:`weight_at`)."""
-        self.num_panels = self.weights[0].shape[0]
+
+    @property
+    def num_panels(self) -> int:
+        """P, the weight's panels."""
+        return self.weights[0].shape[0]
 
     def float_panels(self) -> torch.Tensor:
         """The weight's panels as float32[P, K, PANEL] (panel p: output columns ``p*PANEL ..``)."""
@@ -194,14 +203,11 @@ class PanelLinear:
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         M = x.shape[0]
         width = self.num_panels * PANEL
-        threads = torch.get_num_threads()
         if M > self.kernel_rows and not self.batch_invariant:
             out = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(M, width)
         else:
             out = torch.empty(M, width, dtype=torch.float32)
-            if threads > 1:
-                _set_threads(threads)
-            (_matmul_parallel if threads > 1 else _matmul)(x.contiguous().numpy(), self.weights, out.numpy())
+            on_torch_threads(_matmul, _matmul_parallel)(x.contiguous().numpy(), self.weights, out.numpy())
         return out if width == self.out_features else out[:, :self.out_features].contiguous()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

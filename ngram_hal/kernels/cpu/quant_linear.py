@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .panel_linear import CODE_BLOCK, PANEL, PanelLinear, _set_threads, in_panels, weight_at
+from .panel_linear import CODE_BLOCK, PANEL, PanelLinear, in_panels, on_torch_threads, weight_at
 
 FORMATS = ("q4_1", "q8_0")
 
@@ -116,15 +116,11 @@ class QuantPanelLinear(PanelLinear):
         self.format = fmt
         self.weights = (in_panels(codes, np.uint8 if fmt == "q4_1" else np.int8),
                         in_panels(d, np.float32), in_panels(m, np.float32))
-        self.num_panels = self.weights[0].shape[0]
 
     def _decoded(self, panels: np.ndarray) -> torch.Tensor:
         """float32[len(panels), K, PANEL]: the weights of these panels (int64 indices), decoded."""
         out = np.empty((panels.shape[0], self.in_features, PANEL), np.float32)
-        threads = torch.get_num_threads()
-        if threads > 1:
-            _set_threads(threads)
-        (_decode_parallel if threads > 1 else _decode)(self.weights, panels, out)
+        on_torch_threads(_decode, _decode_parallel)(self.weights, panels, out)
         return torch.from_numpy(out)
 
     def float_panels(self) -> torch.Tensor:

@@ -60,6 +60,18 @@ def test_matches_dense(name, dtype, split):
     _check(_backend(split), call, f"{name} {dtype}")
 
 
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("name", ["tree", "tree-deep"])
+def test_tree_tile_heights(name, block_m):
+    """A verify step's nodes cut into tiles of 16, 32 or 64 rows (1 to 3 tiles a request here) give
+    the dense attention under the tree mask."""
+    backend = _backend(True)
+    backend.launch = replace(backend.launch, attn_tree_block_m=block_m)
+    call = attention_call(random.Random(name), DEVICE, torch.float32, heads=(9, 3), poison=True, spare_slots=6,
+                          **CASES[name])
+    _check(backend, call, f"{name} tiles of {block_m}")
+
+
 @pytest.mark.parametrize("heads", [(1, 1), (4, 4), (8, 2), (9, 3), (16, 1), (32, 8)], ids=str)
 @pytest.mark.parametrize("head_dim", [4, 64, 128])
 def test_head_maps_and_sizes(heads, head_dim):

@@ -20,6 +20,10 @@ class LaunchConfig:
         num_warps: warps per program of the small index kernels.
         max_num_warps: the most warps one program may have (1024 threads: 32 on NVIDIA, 16 on AMD).
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
+        attn_tree_block_m: most rows of a tree-verify program outside the batch-invariant mode:
+            shorter tiles than ``attn_block_m``, more programs over a request's nodes (on an H200
+            32 rows made a verify step's attention 0.73-0.81x as long as 64 at batch 1-64:
+            ``bench/bench_attention_sweep.py``).
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).
         attn_invariant_fill: in the batch-invariant mode, whose key splits are fixed and mostly
@@ -89,6 +93,7 @@ class LaunchConfig:
     kv_tile_bytes: int = 16384
     tile_bytes_per_thread: int = 128
     attn_block_m: int = 64
+    attn_tree_block_m: int = 32
     attn_programs: int | None = None
     attn_min_split: int | None = None
     attn_invariant_keys: int | None = 128
@@ -140,7 +145,7 @@ class LaunchConfig:
 
     def __post_init__(self):
         powers_of_two = ("index_block", "kv_segment_bytes", "move_pair_tile", "kv_tile_bytes", "attn_block_m",
-                         "attn_invariant_block_m")
+                         "attn_tree_block_m", "attn_invariant_block_m")
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None and f.name in ("attn_programs", "attn_warps", "attn_min_split", "attn_invariant_keys",

@@ -93,7 +93,7 @@ class LaunchConfig:
     kv_tile_bytes: int = 16384
     tile_bytes_per_thread: int = 128
     attn_block_m: int = 64
-    attn_tree_block_m: int = 32
+    attn_tree_block_m: int = 16
     attn_programs: int | None = None
     attn_min_split: int | None = None
     attn_invariant_keys: int | None = 128

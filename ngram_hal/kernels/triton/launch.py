@@ -22,7 +22,7 @@ class LaunchConfig:
         attn_block_m: most rows (queries x query heads of one KV head) of an attention program.
         attn_tree_block_m: most rows of a tree-verify program outside the batch-invariant mode:
             shorter tiles than ``attn_block_m``, more programs over a request's nodes (on an H200
-            32 rows made a verify step's attention 0.73-0.81x as long as 64 at batch 1-64:
+            16 rows made a 16-node verify step's attention 0.65-0.80x as long as 64 at batch 1-64:
             ``bench/bench_attention_sweep.py``).
         attn_programs: attention programs that fill the device; fewer tiles x heads than this
             split the keys. None: twice the device's multiprocessors (1 on the CPU).

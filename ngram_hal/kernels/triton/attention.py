@@ -349,6 +349,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tree = layout.tree_mask
     tree_d = tree.shape[1] if tree is not None else 0
     per_req = tree_d if tree is not None else -(-N // B)
+    # Tree verify takes shorter tiles than prefill (attn_tree_block_m): more programs over a request's nodes.
     max_m = max(16, _pow2(G), cfg.attn_tree_block_m if tree is not None else cfg.attn_block_m)
     # The batch-invariant mode runs one tile height for every step (a row's bits depend on it):
     # attn_invariant_block_m, or the smallest, one query's heads, as a decode step wants.

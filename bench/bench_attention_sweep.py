@@ -22,14 +22,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_attention_verify import WIDTH, call_args  # noqa: E402
+from bench_attention_verify import add_case_options, cases  # noqa: E402
 from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
 
-from ngram_hal.kernels.triton import interpreting  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
 KNOBS = {"attn_block_m": (32, 64), "attn_tree_block_m": (16, 32, 64), "attn_key_bytes": (4096, 8192),
@@ -55,21 +52,14 @@ def parse_knobs(items: list[str]) -> dict[str, tuple]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", default="1,4,16,64")
-    parser.add_argument("--tree-sizes", default="1,16", metavar="D,...", help="queries per request (1: decode)")
+    add_case_options(parser, "1,4,16,64", 10, 20, "reports/bench_attention_sweep.json")
     parser.add_argument("--knob", action="append", default=[], metavar="FIELD=V1,V2",
-                        help=f"values of one field (default {KNOBS})")
-    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph")
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="small shapes, two settings, agreement only")
-    parser.add_argument("--json", default="reports/bench_attention_sweep.json")
+                        help=f"values of one field (default {KNOBS}); --quick takes the first two settings")
     args = parser.parse_args(argv)
     knobs = parse_knobs(args.knob)
     base = CudaBackend(device=args.device)
-    dtype = torch.float32 if interpreting() else torch.bfloat16
-    width, contexts = (300, (20, 60)) if args.quick else (WIDTH, (300, 900))
-    batches = [3] if args.quick else [int(b) for b in args.batches.split(",")]
+    made = cases(args, base.device)
+    width, contexts = made.width, made.contexts
     combos = [dict(zip(knobs, values)) for values in itertools.product(*knobs.values())]
     if args.quick:
         combos = combos[:2]
@@ -80,41 +70,42 @@ def main(argv: list[str] | None = None) -> int:
                        ["case", "default us", "fastest us", "fastest / default", "fastest setting"],
                        left=["case", "fastest setting"])
     results = []
-    for batch in batches:
-        for tree_size in [int(n) for n in args.tree_sizes.split(",")]:
-            a = call_args(batch, tree_size, base.device, dtype, batch * 100 + tree_size, width, contexts)
-            case = f"{'decode' if tree_size == 1 else f'tree of {tree_size}'} B={batch}"
-
-            def run(launch):
+    for case, batch, tree_size, a in made.calls:
+        def run(launch, a=a):
+            """A call of the attention under ``launch`` (its layout built under it too)."""
+            def call():
                 base.launch = launch
-                layout = base.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
-                                               a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
-                return lambda: base.attention(**a, layout=layout)
+                return base.attention(**a, layout=layout)
 
-            reference = run(default)()
-            times = []
-            for combo in combos:
-                fn = run(replace(default, **combo))
-                err = (fn().float() - reference.float()).abs().max().item()
-                if err > 0.02:
-                    raise SystemExit(f"{case}: {combo} differs from the default by {err:.3g}")
-                ms = None if args.quick else graph_ms(fn, base.device, args.calls, args.replays)
-                times.append({"setting": combo, "us": None if ms is None else 1e3 * ms, "max_abs_diff": err})
-            ms = None if args.quick else graph_ms(run(default), base.device, args.calls, args.replays)
-            base.launch = default
-            us_default = None if ms is None else 1e3 * ms
-            timed = [t for t in times if t["us"] is not None]
-            best = min(timed, key=lambda t: t["us"]) if timed else None
-            results.append({"case": case, "batch": batch, "tree_size": tree_size, "default_us": us_default,
-                            "fastest": best, "settings": times})
-            table.add_row(case, "-" if us_default is None else f"{us_default:.2f}",
-                          "-" if best is None else f"{best['us']:.2f}",
-                          "-" if best is None else f"{best['us'] / us_default:.2f}x",
-                          "-" if best is None else ", ".join(f"{k.removeprefix('attn_')}={v}"
-                                                             for k, v in best["setting"].items()))
+            base.launch = launch
+            layout = base.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                           a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
+            return call
+
+        reference = run(default)()
+        times = []
+        for combo in combos:
+            fn = run(replace(default, **combo))
+            err = (fn().float() - reference.float()).abs().max().item()
+            if err > 0.02:
+                raise SystemExit(f"{case}: {combo} differs from the default by {err:.3g}")
+            ms = None if args.quick else graph_ms(fn, base.device, args.calls, args.replays)
+            times.append({"setting": combo, "us": None if ms is None else 1e3 * ms, "max_abs_diff": err})
+        ms = None if args.quick else graph_ms(run(default), base.device, args.calls, args.replays)
+        base.launch = default
+        us_default = None if ms is None else 1e3 * ms
+        timed = [t for t in times if t["us"] is not None]
+        best = min(timed, key=lambda t: t["us"]) if timed else None
+        results.append({"case": case, "batch": batch, "tree_size": tree_size, "default_us": us_default,
+                        "fastest": best, "settings": times})
+        table.add_row(case, "-" if us_default is None else f"{us_default:.2f}",
+                      "-" if best is None else f"{best['us']:.2f}",
+                      "-" if best is None else f"{best['us'] / us_default:.2f}x",
+                      "-" if best is None else ", ".join(f"{k.removeprefix('attn_')}={v}"
+                                                         for k, v in best["setting"].items()))
     console.print(table)
     report = {**report_header("ngram-hal/bench-attention-sweep/1", base), "width": width,
-              "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."),
+              "contexts": list(contexts), "dtype": str(made.dtype).removeprefix("torch."),
               "knobs": {k: list(v) for k, v in knobs.items()}, "results": results}
     write_report(args.json, report, console)
     return 0

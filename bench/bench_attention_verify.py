@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +76,43 @@ def call_args(batch: int, tree_size: int, device, dtype, seed: int, width: int, 
     return {**call.args, "max_kv_len": width}
 
 
+@dataclass
+class Cases:
+    """The calls both attention benchmarks time: the dtype, the keys' bound and contexts, and per
+    case its name, batch, tree size and call arguments (:func:`call_args`)."""
+
+    dtype: torch.dtype
+    width: int
+    contexts: tuple[int, int]
+    calls: list[tuple[str, int, int, dict]]
+
+
+def add_case_options(parser: argparse.ArgumentParser, batches: str, calls: int, replays: int, json: str) -> None:
+    """The options of the cases and their timing (defaults as given)."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default=batches)
+    parser.add_argument("--tree-sizes", default="1,16", metavar="D,...", help="queries per request (1: decode)")
+    parser.add_argument("--calls", type=int, default=calls, help="calls per captured graph (a step's layers)")
+    parser.add_argument("--replays", type=int, default=replays)
+    parser.add_argument("--quick", action="store_true", help="small shapes, agreement only")
+    parser.add_argument("--json", default=json)
+
+
+def cases(args: argparse.Namespace, device) -> Cases:
+    """Every batch x tree size of ``args`` (``--quick``: batch 3, short contexts, float32 under the
+    interpreter), its call arguments made on ``device``."""
+    dtype = torch.float32 if interpreting() else torch.bfloat16
+    width, contexts = (300, (20, 60)) if args.quick else (WIDTH, (300, 900))
+    batches = [3] if args.quick else [int(b) for b in args.batches.split(",")]
+    made = []
+    for batch in batches:
+        for tree_size in [int(n) for n in args.tree_sizes.split(",")]:
+            name = f"{'decode' if tree_size == 1 else f'tree of {tree_size}'} B={batch}"
+            made.append((name, batch, tree_size,
+                         call_args(batch, tree_size, device, dtype, batch * 100 + tree_size, width, contexts)))
+    return Cases(dtype, width, contexts, made)
+
+
 def backends(device: str) -> dict[str, tuple[CudaBackend, bool]]:
     """Each setting's backend and whether it runs the batch-invariant mode."""
     base = CudaBackend(device=device)
@@ -93,52 +130,42 @@ def backends(device: str) -> dict[str, tuple[CudaBackend, bool]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--tree-sizes", default="1,16", metavar="D,...", help="queries per request (1: decode)")
-    parser.add_argument("--calls", type=int, default=30, help="calls per captured graph (a step's layers)")
-    parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--quick", action="store_true", help="small shapes, agreement only")
-    parser.add_argument("--json", default="reports/bench_attention_verify.json")
+    add_case_options(parser, "1,16,64", 30, 50, "reports/bench_attention_verify.json")
     args = parser.parse_args(argv)
     settings = backends(args.device)
     first = settings["default"][0]
-    dtype = torch.float32 if interpreting() else torch.bfloat16
-    width, contexts = (300, (20, 60)) if args.quick else (WIDTH, (300, 900))
-    batches = [3] if args.quick else [int(b) for b in args.batches.split(",")]
+    made = cases(args, first.device)
+    width, contexts = made.width, made.contexts
     console = make_console()
     table = make_table(f"attention of one layer, keys bounded by {width}, contexts {contexts[0]}-{contexts[1]}: "
                        "graph-replayed us per call", ["case", *SETTINGS, "invariant / default"], left=["case"])
     results = []
-    for batch in batches:
-        for tree_size in [int(n) for n in args.tree_sizes.split(",")]:
-            a = call_args(batch, tree_size, first.device, dtype, batch * 100 + tree_size, width, contexts)
-            case = f"{'decode' if tree_size == 1 else f'tree of {tree_size}'} B={batch}"
-            calls = {}
-            for name, (backend, invariant) in settings.items():
-                layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"],
-                                                  a["q_lens"], a["q"].shape[0], a["tree_mask"], a["max_kv_len"],
-                                                  batch_invariant=invariant)
-                calls[name] = lambda b=backend, layout=layout: b.attention(**a, layout=layout)
-            got = {name: fn() for name, fn in calls.items()}
-            for name in SAME_BITS[1:]:
-                if not torch.equal(got[name], got[SAME_BITS[0]]):
-                    raise SystemExit(f"{case}: '{name}' and '{SAME_BITS[0]}' differ")
-            err = max((got[name].float() - got["invariant"].float()).abs().max().item()
-                      for name in SETTINGS if name not in SAME_BITS)
-            if err > 0.02:
-                raise SystemExit(f"{case}: the default and invariant modes differ by {err:.3g}")
-            us = {name: None if args.quick else graph_ms(fn, first.device, args.calls, args.replays)
-                  for name, fn in calls.items()}
-            us = {name: None if ms is None else 1e3 * ms for name, ms in us.items()}
-            ratio = None if us["default"] is None else us["invariant"] / us["default"]
-            results.append({"case": case, "batch": batch, "tree_size": tree_size, "us": us,
-                            "invariant_over_default": ratio, "max_abs_diff": err})
-            table.add_row(case, *("-" if us[n] is None else f"{us[n]:.2f}" for n in SETTINGS),
-                          "-" if ratio is None else f"{ratio:.2f}x")
+    for case, batch, tree_size, a in made.calls:
+        calls = {}
+        for name, (backend, invariant) in settings.items():
+            layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"],
+                                              a["q_lens"], a["q"].shape[0], a["tree_mask"], a["max_kv_len"],
+                                              batch_invariant=invariant)
+            calls[name] = lambda b=backend, layout=layout: b.attention(**a, layout=layout)
+        got = {name: fn() for name, fn in calls.items()}
+        for name in SAME_BITS[1:]:
+            if not torch.equal(got[name], got[SAME_BITS[0]]):
+                raise SystemExit(f"{case}: '{name}' and '{SAME_BITS[0]}' differ")
+        err = max((got[name].float() - got["invariant"].float()).abs().max().item()
+                  for name in SETTINGS if name not in SAME_BITS)
+        if err > 0.02:
+            raise SystemExit(f"{case}: the default and invariant modes differ by {err:.3g}")
+        us = {name: None if args.quick else graph_ms(fn, first.device, args.calls, args.replays)
+              for name, fn in calls.items()}
+        us = {name: None if ms is None else 1e3 * ms for name, ms in us.items()}
+        ratio = None if us["default"] is None else us["invariant"] / us["default"]
+        results.append({"case": case, "batch": batch, "tree_size": tree_size, "us": us,
+                        "invariant_over_default": ratio, "max_abs_diff": err})
+        table.add_row(case, *("-" if us[n] is None else f"{us[n]:.2f}" for n in SETTINGS),
+                      "-" if ratio is None else f"{ratio:.2f}x")
     console.print(table)
     report = {**report_header("ngram-hal/bench-attention-verify/1", first), "width": width,
-              "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."),
+              "contexts": list(contexts), "dtype": str(made.dtype).removeprefix("torch."),
               "settings": {name: {"attn_programs": b.launch.attn_programs, "batch_invariant": inv,
                                   "attn_invariant_fill": b.launch.attn_invariant_fill,
                                   "attn_invariant_keys": b.launch.attn_invariant_keys,

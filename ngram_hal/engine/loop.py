@@ -97,7 +97,13 @@ class OverlapLoop:
             return False
         if not self.sched.running:
             return True
-        return self.policy.peek(*self.policy.batch(self.sched.running)) > 1
+        return self.policy.peek(*self._batch(self.sched.running)) > 1
+
+    def _batch(self, reqs) -> tuple:
+        """What the policy reads for ``reqs`` (:meth:`SpecPolicy.batch`), with the draft source's
+        match lengths in ``auto`` (as of the tokens it has recorded)."""
+        auto = self.policy.mode == "auto"
+        return self.policy.batch(reqs, self.drafts.match_lengths([r.rid for r in reqs]) if auto else None)
 
     def _drafter_busy(self) -> bool:
         """In ``auto``: the drafter still records in the background (a batch of prompts); steps
@@ -114,6 +120,8 @@ class OverlapLoop:
             self.post.idle()
             return None
         reqs = list(self.sched.running)
-        bucket, acceptances, context = self.policy.batch(reqs)
+        bucket, acceptances, context = self._batch(reqs)
         tree_size = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances, context)
-        return self.runner.decode(reqs, tree_size, bucket, context, score_plain=self.policy.mode == "auto")
+        step = self.runner.decode(reqs, tree_size, bucket, context, score_plain=self.policy.mode == "auto")
+        step.records = acceptances
+        return step

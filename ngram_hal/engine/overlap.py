@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime import Runtime
+from .policy import Acceptance
 from .request import Request
 
 
@@ -58,6 +59,8 @@ class InflightStep:
         context: a decode step's mean keys per request before its trees, as the policy read it.
         shadow: host bool[B] or None: for a plain step, whether each request's first draft (drafted
             on the device, not run) equals the token the step committed.
+        records: per request, the :class:`Acceptance` the policy scored a
+            decode step by, which its accepted drafts are added to (empty outside ``auto``).
     """
 
     kind: str
@@ -74,6 +77,7 @@ class InflightStep:
     bucket: int = 1
     offered: list[int] | None = None
     context: float = 0.0
+    records: list[Acceptance] = field(default_factory=list)
     absorbed: bool = False
     wait_s: float = field(default=0.0)
 

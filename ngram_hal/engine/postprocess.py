@@ -13,7 +13,7 @@ import time
 from ..runtime import Runtime
 from ..speculative.sources import DraftSource
 from .overlap import InflightStep
-from .policy import SpecPolicy
+from .policy import Acceptance, SpecPolicy
 from .request import Request, RequestOutput
 from .runner import StepRunner
 from .scheduler import Scheduler
@@ -51,11 +51,10 @@ class Postprocessor:
         if step.kind == "decode":
             self._check_lengths(step.reqs, lens, D)
         shadow = step.shadow.tolist() if step.shadow is not None else None
-        offered = step.offered
+        offered, records = step.offered, step.records
         if shadow is None and step.kind == "decode" and step.tree_size == 1 and self.policy.mode == "auto":
-            shadow, offered = self._score_plain(step, tokens, D)
+            shadow, offered, records = self._score_plain(step, tokens, D)
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
-        records = self.policy.records
         ended, fed, rows, committed, hits = [], [], 0, 0, 0
         for b, r in enumerate(step.reqs):
             r.inflight -= 1
@@ -70,9 +69,8 @@ class Postprocessor:
                 committed += n
                 if shadow is not None:
                     hits += shadow[b]
-                record = records.get(r.rid)
-                if record is not None:
-                    record.add(offered[b], int(shadow[b]) if shadow is not None else n - 1)
+                if records:
+                    records[b].add(offered[b], int(shadow[b]) if shadow is not None else n - 1)
             commit_tokens(r, run, logprobs[b * D:b * D + n] if r.params.logprobs else None)
             if r.finished:
                 ended.append(r)
@@ -130,22 +128,30 @@ class Postprocessor:
             self.stats.critical_s += elapsed
         return outputs
 
-    def _score_plain(self, step: InflightStep, tokens: list[int], stride: int) -> tuple[list[int] | None, list[int]]:
+    def _score_plain(self, step: InflightStep, tokens: list[int], stride: int
+                     ) -> tuple[list[int] | None, list[int], list[Acceptance]]:
         """A plain step of a host drafter under ``auto``: each request's first draft (drafted now,
         from the tokens before the step's) against the token the step committed, so acceptance
-        follows the text while no step speculates. ``(hits, offered)``, or (None, the step's
-        offered) where the source scores plain steps itself or drafts nothing."""
+        follows the text while no step speculates. ``(hits, offered, records)``, the records those
+        drafts are scored in (of their match lengths now, where the step launched before the
+        drafter had the tokens before it); or (None, the step's offered, its records) where the
+        source scores plain steps itself or drafts nothing."""
         live = [b for b, r in enumerate(step.reqs) if not r.finished]
+        rids = [step.reqs[b].rid for b in live]
         start = time.perf_counter()
-        guesses = self.drafts.first_drafts([step.reqs[b].rid for b in live])
+        guesses = self.drafts.first_drafts(rids)
+        matches = self.drafts.match_lengths(rids) if guesses is not None else None
         self.stats.draft_s += time.perf_counter() - start
         if guesses is None:
-            return None, step.offered
-        hits, offered = [0] * len(step.reqs), [0] * len(step.reqs)
-        for b, guess in zip(live, guesses):
+            return None, step.offered, step.records
+        hits, offered, records = [0] * len(step.reqs), [0] * len(step.reqs), list(step.records)
+        scored = self.policy.acceptances([step.reqs[b] for b in live], matches) if matches is not None else None
+        for i, (b, guess) in enumerate(zip(live, guesses)):
             offered[b] = int(guess >= 0)
             hits[b] = int(guess == tokens[b * stride])
-        return hits, offered
+            if scored is not None:
+                records[b] = scored[i]
+        return hits, offered, records
 
     def release(self, reqs: list[Request]) -> None:
         """Drop finished requests from the batch and the relay, and free their rows and slots."""

@@ -311,6 +311,18 @@ class Corpus:
             raise ContractError(op, "keys", f"request {keys[empty]!r} has no tokens: a tree needs a root")
         return tokens, parents, mask
 
+    def match_lengths(self, keys: Sequence[Hashable], min_match: int = 1, max_match: int | None = None) -> np.ndarray:
+        """int64[B]: for each stream of ``keys``, the length of the longest suffix (``min_match`` to
+        ``max_match`` tokens, as :meth:`draft` takes them) that the trie holds with a continuation:
+        the match its next tree starts from; 0 where there is none (the tree would be padding)."""
+        top = self.max_depth - 1
+        max_match = top if max_match is None else max_match
+        rows = np.array([self._row(k) for k in keys], np.int64)
+        self.flush()
+        out = np.empty(rows.size, np.int64)
+        trie.match_lengths(self._nodes, self._state, rows, min_match, min(max_match, top), out)
+        return out
+
     def count(self, ngram: Sequence[int], key: Hashable | None = None) -> int:
         """How often ``ngram`` was recorded (0 when it is not held): in the shared trie, or in
         stream ``key``'s own trie when the corpus is per stream."""

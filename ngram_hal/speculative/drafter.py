@@ -87,6 +87,12 @@ class Drafter(abc.ABC):
     def erase(self, rid: Hashable) -> None:
         """Forget request ``rid``."""
 
+    def match_lengths(self, rids: Sequence[Hashable]) -> list[int] | None:
+        """For each of ``rids``, the length of the context suffix its next draft continues (0: it
+        matches nothing, the draft would be padding); None where the drafter does not say. The
+        default: None."""
+        return None
+
     def prepare(self) -> None:
         """Do now the work that the contexts given so far leave for the next :meth:`draft`.
 
@@ -190,6 +196,10 @@ class TrieDrafter(CorpusDrafter):
                                             min_breadth=cfg.min_breadth, drafted=drafted)
         return DraftBatch(torch.from_numpy(tokens.reshape(-1)), torch.from_numpy(mask), torch.from_numpy(drafted))
 
+    def match_lengths(self, rids: Sequence[Hashable]) -> list[int]:
+        cfg = self.config
+        return self.corpus.match_lengths(rids, cfg.min_match, self._max_match).tolist()
+
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)
 
@@ -244,6 +254,14 @@ class LinearDrafter(CorpusDrafter):
             tokens[b, 1:] = np.frombuffer(chain, np.int64)
             drafted[b] = D
         return pack_chains(tokens, drafted)
+
+    def match_lengths(self, rids: Sequence[Hashable]) -> list[int]:
+        lengths = []
+        for rid in rids:
+            self._context_of(rid)
+            length = self.corpus.last_match(rid)[0]
+            lengths.append(length if length >= self.min_ngram else 0)
+        return lengths
 
     def erase(self, rid: Hashable) -> None:
         self.corpus.erase(rid)

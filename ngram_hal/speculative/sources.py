@@ -108,6 +108,12 @@ class DraftSource:
         """The verify step of the requests in ``rows`` was enqueued and gave ``relay``;
         ``captured``: it was a captured greedy step (which drafts with :attr:`graph_drafter`)."""
 
+    def match_lengths(self, rids: Sequence[str]) -> list[int] | None:
+        """On the host: the length of the context suffix each request's next draft would continue
+        (0: none, it would draft nothing), or None where the source does not know it on the host
+        (it drafts on the device, or nothing)."""
+        return None
+
     def first_drafts(self, rids: Sequence[str]) -> list[int] | None:
         """On the host, before a plain step's tokens are recorded: each request's first draft for
         the position that step committed (-1 where it has none), to score against the committed
@@ -163,6 +169,9 @@ class HostDrafts(DraftSource):
         if padded and n > 1:
             n = min(tree_size, 1 << (n - 1).bit_length())  # more padding nodes, fewer shapes
         return n
+
+    def match_lengths(self, rids) -> list[int] | None:
+        return self.drafter.match_lengths(rids)
 
     def first_drafts(self, rids) -> list[int]:
         # The drafter has recorded every token before the plain step's: its first draft is its

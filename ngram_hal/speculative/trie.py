@@ -401,6 +401,20 @@ def _start_tree(nodes, state, sinfo, rows, b, min_match, max_match, out_tok, out
 
 
 @njit(cache=True)
+def match_lengths(nodes, state, rows, min_match, max_match, out):
+    """``out[b]`` = the longest suffix of stream ``rows[b]`` (``max_match`` down to ``min_match``
+    tokens) whose trie node has children: the match a draft of that stream starts from (0: none,
+    the draft is padding)."""
+    for b in range(rows.size):
+        out[b] = 0
+        for m in range(min(max_match, state.shape[1] - 1), min_match - 1, -1):
+            node = state[rows[b], m]
+            if node >= 0 and nodes[node, FIRST] >= 0:
+                out[b] = m
+                break
+
+
+@njit(cache=True)
 def draft_bfs(nodes, state, sinfo, rows, min_match, max_match, max_breadth, min_breadth,
               out_tok, out_par, out_mask, out_real):
     """Draft trees breadth-first by recency into ``out_tok``/``out_par`` int64[B, D] and

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from ngram_hal.engine.policy import Acceptance, SpecPolicy, StepCosts, tree_sizes
+from ngram_hal.engine.policy import MATCH_CLASSES, NO_DRAFTS, Acceptance, SpecPolicy, StepCosts, match_class, tree_sizes
 
 COSTS = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.6}
 """Seconds per step by tree size: rows cheap up to 8 nodes, a compute-bound 16."""
@@ -171,6 +172,53 @@ def test_speculation_must_beat_plain_by_the_margin():
     assert SpecPolicy(8, "auto", costs=close).peek(8, requests) == 8
 
 
+def test_match_classes():
+    assert [match_class(n) for n in (0, 1, 2, 3, 4, 7, 8, 17)] == [None, 0, 1, 2, 3, 3, 4, 4]
+    assert len(MATCH_CLASSES) == 5
+    NO_DRAFTS.add(3, 3)
+    assert NO_DRAFTS.p_first == 0.0 and NO_DRAFTS.expected_tokens(15) == 1.0
+
+
+def test_drafts_are_scored_by_their_match_length():
+    """The same four requests draft after long matches (8 tokens: each next draft accepted with
+    probability 0.95) on even steps and after 1-token ones (0.1) on odd steps. Scored by match
+    length, the policy runs the best size after long matches and plain steps after short ones,
+    the brute-force answer for each; scored by request, both kinds of step share one
+    estimate. A new request then starts from what the others measured; one that matches nothing
+    runs plain."""
+    rng = random.Random(0)
+    requests = [SimpleNamespace(rid=str(i), seq_len=100) for i in range(4)]
+    top = best_size([0.95] * 4, COSTS)
+    assert top > 1 and best_size([0.1] * 4, COSTS) == 1
+    for by_match in (True, False):
+        policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS), buckets=(8,))
+        chosen = []
+        for step in range(300):
+            length, p = (8, 0.95) if step % 2 == 0 else (1, 0.1)
+            bucket, records, context = policy.batch(requests, [length] * 4 if by_match else None)
+            n = policy.choose(bucket, records, context)
+            chosen.append(n)
+            for record in records:
+                accepted = 0
+                while accepted < n - 1 and rng.random() < p:
+                    accepted += 1
+                record.add(n - 1, accepted)
+        long, short = chosen[100::2], chosen[101::2]
+        if by_match:
+            assert set(long) == {top} and short.count(1) > 0.9 * len(short)
+            assert not policy.records
+        else:
+            assert max(set(long), key=long.count) == max(set(short), key=short.count) > 1
+    policy.forget()
+    assert all(record.first == [0.0, 0.0] for record in policy.by_match)
+    newcomer = [SimpleNamespace(rid="new", seq_len=100)]
+    policy = SpecPolicy(16, "auto", costs=_calibrated(COSTS), buckets=(8,))
+    policy.by_match[match_class(8)].first = [95.0, 5.0]
+    policy.by_match[match_class(8)].later = [95.0, 5.0]
+    assert policy.peek(*policy.batch(newcomer, [8])) == top
+    assert policy.peek(*policy.batch(newcomer, [0])) == 1
+
+
 def test_peek_changes_nothing():
     policy = SpecPolicy(8, "auto", costs=_calibrated(COSTS))
     requests = [_fixed(0.9)]
@@ -266,6 +314,8 @@ def test_bad_arguments():
         SpecPolicy(8, "sometimes")
     with pytest.raises(ValueError, match="margin"):
         SpecPolicy(8, "auto", margin=-1)
+    with pytest.raises(ValueError, match="match_decay"):
+        SpecPolicy(8, "auto", match_decay=0)
 
 
 def _calibrated(costs: dict[int, float], bucket: int = 8) -> StepCosts:

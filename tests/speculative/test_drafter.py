@@ -184,3 +184,28 @@ def test_drafted_counts_real_nodes_and_is_one_without_a_match(make):
     assert batch.drafted[0].item() == 1
     assert 1 < batch.drafted[1].item() <= 6
     assert batch.tokens.view(2, 6)[1, 1].item() == 7
+
+
+def test_match_lengths_name_the_suffix_a_draft_continues(drafter):
+    """The length of the context suffix the next draft continues: the 3-token suffix 5 6 7
+    occurred before (followed by 8), a fresh context matches nothing; pending tokens count."""
+    drafter.add_request("fresh", [1, 2, 3, 4])
+    drafter.add_request("repeat", [5, 6, 7, 8, 9, 5, 6])
+    drafter.extend("repeat", [7])
+    assert drafter.match_lengths(["fresh", "repeat"]) == [0, 3]
+    assert drafter.draft(["repeat"], 2).tokens.tolist() == [7, 8]
+    with pytest.raises(KeyError, match="nobody"):
+        drafter.match_lengths(["nobody"])
+
+
+@FAST
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.lists(st.integers(0, 5), max_size=10))
+def test_a_match_length_of_zero_is_a_draft_of_padding(prompt, more):
+    """Every drafter drafts something exactly where it reports a match, and within its limits."""
+    for name, make in DRAFTERS.items():
+        d = make()
+        d.add_request("r", prompt)
+        d.extend("r", more)
+        (length,) = d.match_lengths(["r"])
+        assert 0 <= length <= (4 if name == "linear" else 5)
+        assert (length > 0) == (d.draft(["r"], 4).drafted.item() > 1), name

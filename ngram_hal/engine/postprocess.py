@@ -55,7 +55,7 @@ class Postprocessor:
         if shadow is None and step.kind == "decode" and step.tree_size == 1 and self.policy.mode == "auto":
             shadow, offered, records = self._score_plain(step, tokens, D)
         logprobs = step.logprobs.tolist() if step.logprobs is not None else None
-        ended, fed, rows, committed, hits = [], [], 0, 0, 0
+        ended, fed, rows, committed, scored, hits = [], [], 0, 0, 0, 0
         for b, r in enumerate(step.reqs):
             r.inflight -= 1
             if r.finished:
@@ -68,6 +68,7 @@ class Postprocessor:
                 rows += 1
                 committed += n
                 if shadow is not None:
+                    scored += offered[b]
                     hits += shadow[b]
                 if records:
                     records[b].add(offered[b], int(shadow[b]) if shadow is not None else n - 1)
@@ -85,7 +86,7 @@ class Postprocessor:
         if step.kind == "decode":
             self.stats.critical_decodes += critical
             if shadow is not None:
-                self.stats.shadow_drafts += rows
+                self.stats.shadow_drafts += scored
                 self.stats.shadow_hits += hits
         self._observe(step, rows, committed, self._time_device(step))
         self.stats.wait_s += step.wait_s

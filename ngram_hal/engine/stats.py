@@ -22,7 +22,9 @@ class EngineStats:
     device runs their prefill). ``critical_decodes``: verify steps whose results the host took
     before it could enqueue the next step (in the overlapped loop, those a host drafter needed,
     and the last). ``shadow_drafts`` / ``shadow_hits``: first drafts that plain steps scored
-    without running them (drafted on the device anyway), and how many matched the committed token.
+    without running them (drafted on the device anyway, or by a host drafter from the tokens
+    before the step's; a request it matched nothing for has none), and how many matched the
+    committed token.
     """
 
     prefill_steps: int = 0

@@ -627,7 +627,8 @@ def _plain_step_hits(model, prompts, reference, drafter: str, overlap: bool) -> 
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     stats = engine.stats
-    assert stats.shadow_drafts == stats.decode_rows, "every plain step scored every request's first draft"
+    # Every plain step scored every request's first draft (a host drafter's where it matched).
+    assert stats.shadow_drafts == stats.decode_rows if drafter == "device" else 0 < stats.shadow_drafts <= stats.decode_rows
     assert 0 < stats.shadow_hits < stats.shadow_drafts, "the loops of the model's greedy output are drafted, not all of it"
     if drafter == "device":
         assert len(records) == len(prompts) and all(sum(a.first) > 0 for a in records.values())

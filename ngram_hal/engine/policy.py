@@ -117,9 +117,9 @@ NO_DRAFTS = NoDrafts()
 
 MATCH_CLASSES = (1, 2, 3, 4, 8)
 """The shortest match length of each class of drafts the policy keeps rates for: 1, 2, 3, 4-7 and
-8 or more tokens. Over the greedy SmolLM2 outputs of the 72 workload prompts, at every position,
-prompt lookup's first draft was accepted at 18 % after a 1-token match, 48 % after 2, 71 % after
-3, 76-88 % after 4-7 and 95 % after 8 or more (``docs/engine.md``)."""
+8 or more tokens. Over the greedy SmolLM2 outputs of the workload's prompts, at every position,
+prompt lookup's first draft was accepted at 18 % after a 1-token match, 46-52 % after 2, 65-74 %
+after 3, 76-90 % after 4-7 and 94-96 % after 8 or more (``bench/bench_policy_replay.py``)."""
 
 
 def match_class(length: int) -> int | None:

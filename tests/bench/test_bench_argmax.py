@@ -5,22 +5,16 @@ count."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ngram_hal.kernels.triton import interpreting
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
-def test_quick_run_agrees_with_torch(tmp_path, monkeypatch):
+def test_quick_run_agrees_with_torch(tmp_path, load_bench):
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_argmax", raising=False)
-    import bench_argmax
+    bench_argmax = load_bench("bench_argmax")
 
     out = tmp_path / "argmax.json"
     assert bench_argmax.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0

@@ -5,23 +5,15 @@ report holds every setting of every case; a knob outside the sweep's fields is r
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ngram_hal.kernels.triton import interpreting
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture
-def sweep(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_attention_sweep", raising=False)
-    import bench_attention_sweep
-
-    return bench_attention_sweep
+def sweep(load_bench):
+    return load_bench("bench_attention_sweep")
 
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")

@@ -5,22 +5,16 @@ script stops otherwise), and the report names each setting's launch options."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ngram_hal.kernels.triton import interpreting
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
-def test_quick_run_agrees_and_reports_every_setting(tmp_path, monkeypatch):
+def test_quick_run_agrees_and_reports_every_setting(tmp_path, load_bench):
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_attention_verify", raising=False)
-    import bench_attention_verify
+    bench_attention_verify = load_bench("bench_attention_verify")
 
     out = tmp_path / "attention-verify.json"
     assert bench_attention_verify.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0

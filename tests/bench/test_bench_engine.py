@@ -4,8 +4,6 @@ run reaches (profiler counts, targets met or missed) on data built here."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.model import LlamaModel
 from ngram_hal.reference import CpuBackend
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 ROW_KEYS = {"batch", "run", "tree_size", "policy", "graphs", "overlap", "invariant", "drafter", "status", "error",
             "warmup_s", "passes_tokens_per_s", "paired_plain_tokens_per_s", "vs_plain_paired",
             "peak_device_memory_bytes", "totals", "steps_by_tree_size", "mean_tree_nodes", "host_ms_per_step",
@@ -32,13 +29,8 @@ TOTALS_KEYS = {"requests", "output_tokens", "decode_tokens", "verify_steps", "to
 
 
 @pytest.fixture
-def bench_engine(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    for name in ("bench_engine", "step_profile", "common"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    import bench_engine
-
-    return bench_engine
+def bench_engine(load_bench):
+    return load_bench("bench_engine")
 
 
 def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
@@ -266,9 +258,8 @@ def test_targets_from_gpu_shaped_rows(bench_engine):
     assert "vs_plain" not in rows[-1]
 
 
-def test_reports_keep_lists_of_values_on_one_line(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from common import write_json
+def test_reports_keep_lists_of_values_on_one_line(tmp_path, load_bench):
+    write_json = load_bench("common").write_json
 
     report = {"runs": [{"run": "plain", "token_ids": [[1, 2, 3], [4]], "passes": [1.5, 2.0]}], "empty": {}, "none": []}
     path = tmp_path / "r.json"

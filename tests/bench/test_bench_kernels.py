@@ -4,22 +4,16 @@ every op it times, the targets and the copy bandwidth."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ngram_hal.kernels.triton import interpreting
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
-def test_quick_run_reports_every_op(tmp_path, monkeypatch, capsys):
+def test_quick_run_reports_every_op(tmp_path, load_bench, capsys):
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_kernels", raising=False)
-    import bench_kernels
+    bench_kernels = load_bench("bench_kernels")
 
     out = tmp_path / "kernels.json"
     bench_kernels.main(["--device", "cpu", "--quick", "--json", str(out)])

@@ -4,8 +4,6 @@ through the Triton interpreter, and the table it writes from timings picks the f
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,17 +11,11 @@ import torch
 from ngram_hal.kernels.triton import interpreting
 from ngram_hal.kernels.triton.products import Tiling, choose, choose_invariant
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture
-def bench_products(monkeypatch):
+def bench_products(load_bench):
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_products", raising=False)
-    import bench_products
-
-    return bench_products
+    return load_bench("bench_products")
 
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")

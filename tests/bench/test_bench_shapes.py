@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-
-def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "bench_shapes", raising=False)
-    import bench_shapes
+def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, load_bench):
+    bench_shapes = load_bench("bench_shapes")
 
     shape = tmp_path / "tiny.json"
     shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
@@ -35,9 +29,8 @@ def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, monkeypatch):
     assert all(t["measured"] is None for t in report["targets"])
 
 
-def test_an_unknown_shape_is_a_usage_error(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_shapes
+def test_an_unknown_shape_is_a_usage_error(load_bench, capsys):
+    bench_shapes = load_bench("bench_shapes")
 
     with pytest.raises(SystemExit) as exit_:
         bench_shapes.main(["--backend", "cpu", "--shapes", "llama-9b"])
@@ -45,9 +38,8 @@ def test_an_unknown_shape_is_a_usage_error(monkeypatch, capsys):
     assert "shape 'llama-9b': neither a preset" in capsys.readouterr().err
 
 
-def test_launch_modes_the_backend_lacks_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_shapes
+def test_launch_modes_the_backend_lacks_are_refused(tmp_path, load_bench, capsys):
+    bench_shapes = load_bench("bench_shapes")
 
     shape = tmp_path / "tiny.json"
     shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
@@ -60,9 +52,8 @@ def test_launch_modes_the_backend_lacks_are_refused(tmp_path, monkeypatch, capsy
     assert exit_.value.code == 2 and "expected on or off" in capsys.readouterr().err
 
 
-def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import argparse
+def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, load_bench):
+    argparse = load_bench("argparse")
 
     import bench_shapes
     from ngram_hal.kernels.triton.products import SCHEMA, ProductTable
@@ -85,9 +76,8 @@ def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, mon
     assert bench_shapes.product_table("fixed", Launch) is None
 
 
-def test_launch_fields_apply_to_triton_kernels_only(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_shapes
+def test_launch_fields_apply_to_triton_kernels_only(tmp_path, load_bench):
+    bench_shapes = load_bench("bench_shapes")
 
     shape = tmp_path / "tiny.json"
     shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture
-def bench_vs(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    for name in ("bench_vs_transformers", "common"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    import bench_vs_transformers
-
-    return bench_vs_transformers
+def bench_vs(load_bench):
+    return load_bench("bench_vs_transformers")
 
 
 def _sums(**rates):

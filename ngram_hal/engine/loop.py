@@ -38,7 +38,7 @@ import time
 
 from ..speculative.sources import DraftSource
 from .overlap import InflightStep
-from .policy import SpecPolicy
+from .policy import Acceptance, SpecPolicy
 from .postprocess import Postprocessor
 from .request import RequestOutput
 from .runner import StepRunner
@@ -99,11 +99,12 @@ class OverlapLoop:
             return True
         return self.policy.peek(*self._batch(self.sched.running)) > 1
 
-    def _batch(self, reqs) -> tuple:
+    def _batch(self, reqs, busy: bool = False) -> tuple[int, list[Acceptance], float]:
         """What the policy reads for ``reqs`` (:meth:`SpecPolicy.batch`), with the draft source's
-        match lengths in ``auto`` (as of the tokens it has recorded)."""
-        auto = self.policy.mode == "auto"
-        return self.policy.batch(reqs, self.drafts.match_lengths([r.rid for r in reqs]) if auto else None)
+        match lengths (as of the tokens it has recorded) in ``auto``, unless the drafter is
+        ``busy`` recording (asking would wait for it)."""
+        ask = self.policy.mode == "auto" and not busy
+        return self.policy.batch(reqs, self.drafts.match_lengths([r.rid for r in reqs]) if ask else None)
 
     def _drafter_busy(self) -> bool:
         """In ``auto``: the drafter still records in the background (a batch of prompts); steps
@@ -120,8 +121,9 @@ class OverlapLoop:
             self.post.idle()
             return None
         reqs = list(self.sched.running)
-        bucket, acceptances, context = self._batch(reqs)
-        tree_size = 1 if self._drafter_busy() else self.policy.choose(bucket, acceptances, context)
+        busy = self._drafter_busy()
+        bucket, acceptances, context = self._batch(reqs, busy)
+        tree_size = 1 if busy else self.policy.choose(bucket, acceptances, context)
         step = self.runner.decode(reqs, tree_size, bucket, context, score_plain=self.policy.mode == "auto")
         step.records = acceptances
         return step

@@ -242,7 +242,8 @@ class SpecPolicy:
 
     :meth:`batch` gives what :meth:`peek` and :meth:`choose` read for a batch of requests: the
     :class:`Acceptance` each request's next step is scored by and adds to. It keeps one per
-    match class (:attr:`by_match`) where the drafter says its match lengths, else one per request (:attr:`records`, by request id, until :meth:`drop`).
+    match class (:attr:`by_match`) where the drafter says its match lengths, else one per
+    request (:attr:`records`, by request id, until :meth:`drop`).
     """
 
     def __init__(self, tree_size: int, mode: str = "always", probe_every: int = 16, margin: float = 0.05,

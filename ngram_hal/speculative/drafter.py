@@ -258,7 +258,7 @@ class LinearDrafter(CorpusDrafter):
     def match_lengths(self, rids: Sequence[Hashable]) -> list[int]:
         lengths = []
         for rid in rids:
-            self._context_of(rid)
+            self._context_of(rid)  # an unknown id raises KeyError naming it
             length = self.corpus.last_match(rid)[0]
             lengths.append(length if length >= self.min_ngram else 0)
         return lengths

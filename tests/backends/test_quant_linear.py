@@ -47,15 +47,19 @@ def test_an_exact_dequantization_is_recognised_and_nothing_else(fmt):
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 100, KERNEL_ROWS, KERNEL_ROWS + 1, 200])
 def test_bit_for_bit_panel_linear(fmt, threads, rows):
-    """Up to ``kernel_rows`` against PanelLinear's kernel, past them both through BLAS on the same
-    panels."""
+    """Up to ``kernel_rows`` bit for bit PanelLinear's kernel; past them BLAS over the decoded
+    weight, one product where PanelLinear runs one per panel: the same sums, in an order BLAS
+    chooses."""
     weight = dequantized(fmt)
     layer = QuantPanelLinear(*quantize_exactly(weight))
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
     got = layer(x)
     assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32 and got.is_contiguous()
     want = PanelLinear(weight)(x)
-    assert torch.equal(got, want)
+    if rows <= KERNEL_ROWS:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.get_num_threads() == threads, "one thread runs the serial kernels: numba's pool must not start"
 
 

@@ -22,8 +22,9 @@ among ``torch.get_num_threads()`` threads. Every path does the same float operat
 element in the same order (a fused multiply-add per k, from zero), so up to ``KERNEL_ROWS`` an
 output row does not depend on the other rows of the batch or on the thread count
 (``tests/backends/test_panel_linear.py``). Past that the product is compute-bound and goes to
-``torch.matmul`` (BLAS) over the panels, unless the layer is batch-invariant: then every row
-count runs the kernel, so that no row's result depends on the rest of the call.
+``torch.matmul`` (BLAS) over the panels (over the whole weight decoded, for the file's codes),
+unless the layer is batch-invariant: then every row count runs the kernel, so that no row's
+result depends on the rest of the call.
 
 The kernel reads a weight at ``(p, k, j)`` through :func:`weight_at`, which the layer's weight
 arrays pick when the kernel is compiled: float32 panels here, block-quantization codes with their
@@ -202,12 +203,17 @@ class PanelLinear:
             raise ValueError(f"{type(self).__name__} expects float32 (M, {self.in_features}) on the CPU, got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         M = x.shape[0]
-        width = self.num_panels * PANEL
         if M > self.kernel_rows and not self.batch_invariant:
-            out = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(M, width)
-        else:
-            out = torch.empty(M, width, dtype=torch.float32)
-            on_torch_threads(_matmul, _matmul_parallel)(x.contiguous().numpy(), self.weights, out.numpy())
+            return self._blas(x)
+        width = self.num_panels * PANEL
+        out = torch.empty(M, width, dtype=torch.float32)
+        on_torch_threads(_matmul, _matmul_parallel)(x.contiguous().numpy(), self.weights, out.numpy())
+        return out if width == self.out_features else out[:, :self.out_features].contiguous()
+
+    def _blas(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` through BLAS (rows past ``kernel_rows``): one product per panel."""
+        M, width = x.shape[0], self.num_panels * PANEL
+        out = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(M, width)
         return out if width == self.out_features else out[:, :self.out_features].contiguous()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

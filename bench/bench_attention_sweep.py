@@ -73,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     for case, batch, tree_size, a in made.calls:
         def run(launch, a=a):
             """A call of the attention under ``launch`` (its layout built under it too)."""
-            def call():
-                base.launch = launch
-                return base.attention(**a, layout=layout)
-
             base.launch = launch
             layout = base.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
                                            a["q"].shape[0], a["tree_mask"], a["max_kv_len"])
+
+            def call():
+                base.launch = launch
+                return base.attention(**a, layout=layout)
             return call
 
         reference = run(default)()

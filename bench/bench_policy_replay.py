@@ -30,19 +30,19 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_vs_transformers import Ours  # noqa: E402
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
 from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402
 from ngram_hal.engine.policy import SpecPolicy, StepCosts, tree_sizes  # noqa: E402
-from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.tokenizer import Tokenizer  # noqa: E402
 from ngram_hal.engine.workload import load_prompts  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
@@ -131,7 +131,7 @@ def replay_policy(outputs: list[dict], costs: dict[int, float], by_match: bool) 
     policy = SpecPolicy(max(costs), "auto", costs=calibrated)
     seconds = defaultdict(float)
     for b, r in enumerate(outputs):
-        request = _Request(str(b), len(r["prompt"]))
+        request = SimpleNamespace(rid=str(b), seq_len=len(r["prompt"]))
         scored = []
 
         def choose(length: int, run: int) -> int:
@@ -146,11 +146,6 @@ def replay_policy(outputs: list[dict], costs: dict[int, float], by_match: bool) 
             seconds[r["kind"]] += costs[n]
         policy.drop([request.rid])
     return seconds
-
-
-class _Request:
-    def __init__(self, rid: str, seq_len: int):
-        self.rid, self.seq_len = rid, seq_len
 
 
 def replay_table(outputs: list[dict], costs: dict[int, float]) -> dict[str, dict[str, float]]:
@@ -170,13 +165,14 @@ def replay_table(outputs: list[dict], costs: dict[int, float]) -> dict[str, dict
     return table
 
 
-def greedy_outputs(engine: Engine, tok: Tokenizer, specs, max_new: int) -> list[dict]:
-    """Each prompt's greedy output from our engine, one request at a time."""
+def greedy_outputs(model: LlamaModel, tok: Tokenizer, specs, max_new: int) -> list[dict]:
+    """Each prompt's greedy output from our plain engine, one request at a time."""
+    plain = Ours(model, tok, 1, "trie")
     outputs = []
     for s in specs:
         ids = tok.encode_chat(s.messages)
-        out = engine.generate([ids], SamplingParams(max_new_tokens=min(max_new, s.max_new_tokens)))[0]
-        outputs.append({"id": s.id, "kind": s.kind, "prompt": ids, "out": out.token_ids})
+        out, _, _ = plain(ids, min(max_new, s.max_new_tokens))
+        outputs.append({"id": s.id, "kind": s.kind, "prompt": ids, "out": out})
     return outputs
 
 
@@ -185,12 +181,11 @@ def measure_costs(model: LlamaModel, tok: Tokenizer, specs, sizes: list[int], ma
     batch 1 (the linear drafter at a fixed size; plain for size 1)."""
     costs = {}
     for n in sizes:
-        engine = Engine(model, tok, EngineConfig(tree_size=n, drafter="linear", spec_policy="always",
-                                                 max_running=1, num_slots=4096, max_context_len=2048))
+        ours = Ours(model, tok, n, "linear")
         medians = []
         for s in specs:
-            engine.generate([tok.encode_chat(s.messages)], SamplingParams(max_new_tokens=max_new))
-            measured = engine.policy.costs.measured(1, n)
+            ours(tok.encode_chat(s.messages), max_new)
+            measured = ours.engine.policy.costs.measured(1, n)
             if measured is not None:
                 medians.append(measured)
         costs[n] = statistics.median(medians)
@@ -204,7 +199,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tree-size", type=int, default=8, metavar="D", help="the largest size (auto's sizes up to D)")
     ap.add_argument("--costs", type=parse_costs, default=None,
                     help="step seconds by tree size, SIZE=SECONDS,...; measured here by default")
-    ap.add_argument("--cost-prompts", type=int, default=4, help="prompts (of each kind, in order) that time the steps")
+    ap.add_argument("--cost-prompts", type=int, default=1, help="prompts of each kind (the first ones) that time the steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="reports/bench_policy_replay.json")
     args = ap.parse_args(argv)
@@ -214,12 +209,11 @@ def main(argv=None) -> dict:
     tok = Tokenizer(model.tokenizer_metadata)
     specs = load_prompts(args.prompts)
     console = make_console(160)
-    plain = Engine(model, tok, EngineConfig(tree_size=1, max_running=1, num_slots=4096, max_context_len=2048))
-    outputs = greedy_outputs(plain, tok, specs, args.max_new_tokens)
+    outputs = greedy_outputs(model, tok, specs, args.max_new_tokens)
     costs = args.costs
     if costs is None:
         kinds = sorted({s.kind for s in specs})
-        timed = [s for k in kinds for s in [x for x in specs if x.kind == k][:max(1, args.cost_prompts // len(kinds))]]
+        timed = [s for k in kinds for s in [x for x in specs if x.kind == k][:args.cost_prompts]]
         costs = measure_costs(model, tok, timed, tree_sizes(args.tree_size), args.max_new_tokens)
     acceptance = acceptance_by_match(outputs)
     table = replay_table(outputs, costs)

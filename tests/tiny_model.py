@@ -63,8 +63,9 @@ class Session:
         self.table[dst] = self.table[src]
         self.lens[dst] = self.lens[src]
 
-    def tree(self, rows: list[int], tokens: list[list[int]], parents: list[int]) -> torch.Tensor:
-        """Verify one draft tree (same shape for every row) after each row's cached tokens."""
+    def tree(self, rows: list[int], tokens: list[list[int]], parents: list[int], chains: bool = False) -> torch.Tensor:
+        """Verify one draft tree (same shape for every row) after each row's cached tokens; ``chains``:
+        the forward is told the tree is a chain (``ForwardBatch.chains``)."""
         D = len(parents)
         mask = torch.zeros(D, D, dtype=torch.bool)
         depth = [0] * D
@@ -86,5 +87,6 @@ class Session:
                              positions=index_tensor(pos, dev), out_cache_loc=index_tensor(locs, dev), req_to_token=self.table,
                              req_pool_indices=index_tensor(rows, dev), kv_lens=index_tensor(kv_lens, dev),
                              q_lens=index_tensor([D] * len(rows), dev),
-                             tree_mask=mask.expand(len(rows), D, D).contiguous().to(dev), max_kv_len=max(kv_lens))
+                             tree_mask=mask.expand(len(rows), D, D).contiguous().to(dev), chains=chains,
+                             max_kv_len=max(kv_lens))
         return self.model.forward(batch, self.kv)

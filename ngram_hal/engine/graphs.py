@@ -152,7 +152,7 @@ class GreedyStep:
         live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
         relay, _ = verify_step(self.model.backend, lambda batch: self.model.forward_argmax(batch, self.kv), self.kv,
                                r2t, self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
-                               live=live)
+                               live=live, chains=self.drafter is not None)
         if self.drafter is not None:
             self.drafter.draft_next(self.rows, relay, self.count)
         self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)
@@ -183,7 +183,7 @@ class StepGraphs:
         req_to_token: the request table every step reads (int64[R, M]; M bounds ``kv_lens``).
         max_batch: the most requests one step holds.
         drafter: a :class:`~ngram_hal.speculative.lookup.DeviceDrafter` whose next chains every
-            greedy step drafts, or None.
+            greedy step drafts (every tree is then one of its chains), or None.
     """
 
     def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, max_batch: int,
@@ -351,7 +351,8 @@ class StepGraphs:
                                  out_cache_loc=_index(N, -1, dev), req_to_token=self.req_to_token,
                                  req_pool_indices=_index(padded, 0, dev), kv_lens=_index(padded, 0, dev),
                                  q_lens=_index(padded, tree_size, dev), tree_mask=tree_mask,
-                                 max_kv_len=self.req_to_token.shape[1], logits_index=None)
+                                 chains=self.drafter is not None, max_kv_len=self.req_to_token.shape[1],
+                                 logits_index=None)
             graph, logits = self._capture(lambda: self.model.forward(batch, self.kv))
             entry = self._forwards[key] = _Forward(batch, graph, logits)
         return entry

@@ -41,6 +41,8 @@ class ForwardBatch:
         out_cache_loc: int64[N] slot of each token's K/V, -1 to skip.
         req_to_token: int64[R, M]. req_pool_indices, kv_lens, q_lens: int64[B].
         tree_mask: bool[B, D, D] for tree verify (then every ``q_lens[b] == D``), else None (causal).
+        chains: every tree is a chain (node i the child of node i - 1), so its nodes sit at the
+            positions plain decoding gives them: the same attention as a causal extend.
         max_kv_len: host int >= max(kv_lens); None computes it once per forward (a host sync).
         logits_index: int64[K] rows of N whose logits are returned; None returns all N.
     """
@@ -53,6 +55,7 @@ class ForwardBatch:
     kv_lens: torch.Tensor
     q_lens: torch.Tensor
     tree_mask: torch.Tensor | None = None
+    chains: bool = False
     max_kv_len: int | None = None
     logits_index: torch.Tensor | None = None
 
@@ -242,8 +245,14 @@ class LlamaModel:
         elif max_kv_len is None:
             max_kv_len = int(batch.kv_lens.max()) if batch.kv_lens.numel() else 0
         q_size, kernels = cfg.num_heads * cfg.head_dim, self.kernels
+        tree_mask = batch.tree_mask
+        if self.batch_invariant and batch.chains:
+            # A node of a branching tree reads its own path in the invariant mode, one node a tile;
+            # a chain's nodes already sit where decoding puts them, so as a causal extend they give
+            # the same bits, several nodes a tile sharing every key read.
+            tree_mask = None
         layout = be.attention_layout(batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens, N,
-                                     batch.tree_mask, max_kv_len, self.batch_invariant)
+                                     tree_mask, max_kv_len, self.batch_invariant)
         rope = kernels.rope(batch.positions)
         x = self.embed.rows(batch.input_ids)
         delta = None
@@ -251,7 +260,7 @@ class LlamaModel:
             qkv = kernels.norm_linear(x, layer.attn_norm, layer.wqkv, delta)
             q = kernels.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
-                             self.scale, batch.tree_mask, max_kv_len, layout)
+                             self.scale, tree_mask, max_kv_len, layout)
             delta = self._row_parallel(o.reshape(N, q_size), layer.wo, x)
             h = kernels.norm_swiglu(x, layer.mlp_norm, layer.w_gate_up, delta)
             delta = self._row_parallel(h, layer.w_down, x)

@@ -149,7 +149,8 @@ class StepRunner:
         target = partial(self.model.forward_argmax, kv=self.kv) if greedy_only else from_logits
         q_lens = torch.full((B,), n, dtype=torch.int64, device=self.device)
         result, out = verify_step(self.backend, target, self.kv, self.sched.req_to_token,
-                                  trees.tokens.contiguous().view(-1), trees.mask, rows, seq_lens, q_lens, n, max_kv_len)
+                                  trees.tokens.contiguous().view(-1), trees.mask, rows, seq_lens, q_lens, n, max_kv_len,
+                                  chains=trees.chains)
         logprobs = None
         if want_logprobs:
             node_lp = token_logprobs(kept[0], out.predicts)

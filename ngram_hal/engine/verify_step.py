@@ -22,7 +22,7 @@ from .model import ForwardBatch
 def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
                 req_to_token: torch.Tensor, tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
                 seq_lens: torch.Tensor, q_lens: torch.Tensor, tree_size: int, max_kv_len: int,
-                live: torch.Tensor | None = None) -> tuple[OverlapRelay, VerifyOutput]:
+                live: torch.Tensor | None = None, chains: bool = False) -> tuple[OverlapRelay, VerifyOutput]:
     """Verify B trees of tree size ``tree_size`` (D): ``(relay, out)``.
 
     Args:
@@ -34,6 +34,7 @@ def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor]
         tree_mask: bool[B, D, D]. rows, seq_lens, q_lens: int64[B] (``q_lens`` = D).
         max_kv_len: host int bounding every ``seq_lens + D``.
         live: bool[B*D] or None; nodes of requests not live store no K/V (location -1).
+        chains: every tree is a chain (:attr:`ForwardBatch.chains`).
     """
     tree = prepare_tree(backend, tokens, tree_mask, seq_lens)
     locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, tree_size)
@@ -41,6 +42,7 @@ def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor]
         locs = torch.where(live, locs, -1)
     batch = ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=req_to_token,
                          req_pool_indices=rows, kv_lens=seq_lens + tree_size, q_lens=q_lens,
-                         tree_mask=tree_mask if tree_size > 1 else None, max_kv_len=max_kv_len, logits_index=None)
+                         tree_mask=tree_mask if tree_size > 1 else None, chains=chains, max_kv_len=max_kv_len,
+                         logits_index=None)
     out = verify_tokens(backend, tree, target(batch))
     return commit(backend, kv, out, locs, req_to_token, rows, seq_lens), out

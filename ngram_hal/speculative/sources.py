@@ -43,6 +43,7 @@ class Trees:
             past the root, within n).
         guess: int64[B] or None: for a plain step, each request's first draft (drafted anyway,
             not run), to be scored against the token the step commits.
+        chains: every tree is a chain (node i the child of node i - 1).
     """
 
     tokens: torch.Tensor
@@ -50,6 +51,7 @@ class Trees:
     tree_size: int
     offered: list[int]
     guess: torch.Tensor | None = None
+    chains: bool = False
 
 
 class DraftSource:
@@ -223,7 +225,7 @@ class DeviceDrafts(DraftSource):
             self.launches += 1
         guess = chains[:, 1].clone() if width > tree_size else None
         return Trees(chains[:, :tree_size], self.lookup.chain_masks(B, tree_size), tree_size,
-                     [1 if guess is not None else tree_size - 1] * B, guess)
+                     [1 if guess is not None else tree_size - 1] * B, guess, chains=True)
 
     def stepped(self, rows, relay, captured: bool) -> None:
         if not captured:

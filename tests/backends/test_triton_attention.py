@@ -207,3 +207,24 @@ def test_invariant_tree_rows_equal_decode_of_their_path(dtype, prefix, programs)
                             kv_lens=torch.tensor([prefix + len(path)], device=DEVICE),
                             q_lens=torch.tensor([1], device=DEVICE))
         assert_invariant(tree_out[i], decode[0], f"node {i} (path {path[::-1]}) against its decode")
+
+
+@pytest.mark.parametrize("programs", [1, 40, 4096], ids=lambda p: f"{p}-programs")
+@pytest.mark.parametrize("prefix", [29, 300], ids=["one-split", "splits-before-the-chain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_invariant_chain_as_causal_extend_equals_decode(dtype, prefix, programs):
+    """Batch-invariant mode: a chain of drafts attended as a causal extend (no tree mask; tiles of
+    several nodes, which share each key read) gives each node the bits of its decode, and of the
+    same chain read node by node along its path under its tree mask."""
+    D = 12
+    call = attention_call(random.Random("chain"), DEVICE, dtype, heads=(6, 2), kv_lens=[prefix + D], q_lens=[D],
+                          trees=[list(range(-1, D - 1))], extra_cols=8)
+    a = call.args
+    backend = _backend(True, programs)
+    extend = _invariant(backend, a, tree_mask=None)
+    assert_invariant(extend, _invariant(backend, a), "the chain as an extend against its tree")
+    for i in range(D):
+        decode = _invariant(_backend(True), a, q=a["q"][i:i + 1].contiguous(), tree_mask=None,
+                            kv_lens=torch.tensor([prefix + i + 1], device=DEVICE),
+                            q_lens=torch.tensor([1], device=DEVICE))
+        assert_invariant(extend[i], decode[0], f"node {i} against its decode")

@@ -60,6 +60,23 @@ def test_tree_nodes_equal_plain_decoding_of_their_path(rows):
             assert torch.equal(tree[b * D + i], plain[-1]), f"request {row}, node {i} (path {_path(i)})"
 
 
+def test_a_chain_as_a_causal_extend_gives_the_bits_of_its_path():
+    """A chain told as such (``ForwardBatch.chains``: attention as a causal extend) gives the bits
+    of the same chain read node by node along its path, and of plain decoding."""
+    chain = list(range(-1, 6))
+    rows = [0, 1, 2]
+    tokens = [[(5 * r + 2 * i) % TINY.vocab_size for i in range(len(chain))] for r in rows]
+    told, untold = _session(), _session()
+    for s in (told, untold):
+        s.extend(list(enumerate(PROMPTS)))
+    by_extend = told.tree(rows, tokens, chain, chains=True)
+    assert torch.equal(by_extend, untold.tree(rows, tokens, chain))
+    for b, row in enumerate(rows):
+        told.fork(row, SPARE_ROW)
+        plain = told.extend([(SPARE_ROW, tokens[b])])
+        assert torch.equal(by_extend[b * len(chain):(b + 1) * len(chain)], plain)
+
+
 def test_the_mode_needs_float32_on_the_cpu():
     with pytest.raises(ValueError, match="float32 on the CPU"):
         CpuBackend().layer_kernels(TINY, torch.bfloat16, batch_invariant=True)

@@ -74,7 +74,7 @@ for name, (Hq, H, d, T, BQ, BM, BN, split, path, part, fold, dtype) in ATTENTION
                                          IEEE=dtype == F32P, UPCAST=False, PDL=False), 4)
 KERNELS["attention merge"] = ("triton.attention", "merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, ROWS="i32", SPLITS="i32"),
-                              dict(HEAD_DIM=64, BLOCK_R=8, BLOCK_S=16, BLOCK_D=64, PDL=False), 4)
+                              dict(HEAD_DIM=64, BLOCK_R=8, BLOCK_S=16, BLOCK_D=64, SKIP_EMPTY=True, PDL=False), 4)
 KERNELS["rms_norm"] = ("gpu.norm", "rms_norm_kernel", dict(x_ptr=BF16P, delta_ptr=BF16P, weight_ptr=BF16P,
                                                               out_ptr=BF16P, hidden="i32", eps="fp32"),
                        dict(ADD=True, BLOCK=1024, PDL=False), 4)

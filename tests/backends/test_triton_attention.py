@@ -228,3 +228,22 @@ def test_invariant_chain_as_causal_extend_equals_decode(dtype, prefix, programs)
                             kv_lens=torch.tensor([prefix + i + 1], device=DEVICE),
                             q_lens=torch.tensor([1], device=DEVICE))
         assert_invariant(extend[i], decode[0], f"node {i} against its decode")
+
+
+@pytest.mark.parametrize("name", ["tree", "decode"])
+def test_merge_of_several_rows_skips_empty_splits_to_the_same_bits(name):
+    """Merge programs of several rows read only the splits that saw keys (``SKIP_EMPTY``); one-row
+    programs read every split. Never folding, the batch-invariant mode's splits (most of them past
+    every context under the table's 300 extra columns) merge to the same bits either way."""
+    a = attention_call(random.Random(f"skip-{name}"), DEVICE, torch.bfloat16, heads=(6, 2),
+                       extra_cols=300, **CASES[name]).args
+    results = []
+    for programs in (1, 1 << 20):  # rows a merge program: 16, then 1
+        backend = _backend(True, programs)
+        backend.launch = replace(backend.launch, attn_invariant_fold=None)
+        results.append(_invariant(backend, a))
+    assert_invariant(results[0], results[1], "merged in programs of 16 rows against one row")
+    want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
+                           a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(results[0].cpu().double(), want, atol=atol, rtol=rtol)

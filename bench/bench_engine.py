@@ -26,8 +26,8 @@ under the same host load (the ``auto`` targets use it). Per run: tokens/s with t
 prefill and decode-only tokens/s (tokens after each request's first, over the time after the last
 request got its first token), tokens per verify step, steps by the tree size the policy chose (a
 step runs fewer nodes when no draft fills the tree: ``mean_tree_nodes``), the device's idle time
-between steps (over the decode window), peak device memory, host ms per step hidden behind the
-device or on its critical path, token ids. On CUDA a short extra pass per run under
+between steps (over the decode window), peak device memory, host ms per step launching it, waiting
+for the device, hidden behind the device or on its critical path, token ids. On CUDA a short extra pass per run under
 ``torch.profiler`` counts GPU kernels, host launch calls and GPU busy ms per decode step
 (``--profile-steps``). Ratios against plain decode of the same batch (graphs and overlap on) and
 against the old baseline (graphs and overlap off); how many requests give the same tokens
@@ -252,7 +252,8 @@ def summarize(results: Sequence[RunResult], chosen: Counter) -> dict:
     return {"totals": totals.model_dump(),
             "steps_by_tree_size": {str(n): c for n, c in sorted(chosen.items())},
             "mean_tree_nodes": totals.tree_nodes / totals.decode_steps if totals.decode_steps else 0.0,
-            "host_ms_per_step": {"hidden": 1e3 * totals.hidden_host_s / steps,
+            "host_ms_per_step": {"launch": 1e3 * totals.launch_s / steps, "wait": 1e3 * totals.wait_s / steps,
+                                 "hidden": 1e3 * totals.hidden_host_s / steps,
                                  "critical": 1e3 * totals.critical_host_s / steps,
                                  "draft": 1e3 * totals.draft_s / steps},
             "requests": [rec.id for rec in records], "kinds": [rec.kind for rec in records],
@@ -542,17 +543,18 @@ def print_tables(console: Console, report: dict) -> None:
             table.add_row(str(r["batch"]), r["run"], f"{r['totals']['decode_tokens_per_s']:,.1f}",
                           f"{r['limit_tokens_per_s']:,.0f}", f"{r['fraction_of_limit']:.0%}")
         console.print(table)
-    steps = make_table("engine: per step (host ms hidden behind the device / on its critical path / in the drafter; "
-                       "profiled decode steps: GPU kernels, host launch calls, GPU busy ms)",
-                       ("B", "run", "ms/step", "hidden", "critical", "draft", "kernels", "launches", "GPU ms",
-                        "tree sizes"),
+    steps = make_table("engine: per step (host ms launching the step / waiting for the device / hidden behind it / "
+                       "on its critical path / in the drafter: where launch + hidden fill the step, the host sets "
+                       "the pace; profiled decode steps: GPU kernels, host launch calls, GPU busy ms)",
+                       ("B", "run", "ms/step", "launch", "wait", "hidden", "critical", "draft", "kernels", "launches",
+                        "GPU ms", "tree sizes"),
                        left=("run", "tree sizes"))
     for r in rows:
         t, prof = r["totals"], r["profile"] or {}
         sizes = " ".join(f"{n}:{c}" for n, c in r["steps_by_tree_size"].items() if c)
+        host = r["host_ms_per_step"]
         steps.add_row(str(r["batch"]), r["run"], f"{t['ms_per_decode_step']:.2f}",
-                      f"{r['host_ms_per_step']['hidden']:.2f}", f"{r['host_ms_per_step']['critical']:.2f}",
-                      f"{r['host_ms_per_step']['draft']:.2f}",
+                      *(f"{host[k]:.2f}" for k in ("launch", "wait", "hidden", "critical", "draft")),
                       _f(prof.get("gpu_kernels_per_step"), ".0f", "error" if "error" in prof else "-"),
                       _f(prof.get("host_launch_calls_per_step"), ".0f"), _f(prof.get("gpu_busy_ms_per_step"), ".3f"),
                       sizes)

@@ -63,6 +63,8 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
     for row in ran:
         assert row["status"] == "ok", row.get("traceback")
         assert set(row) == ROW_KEYS and set(row["totals"]) == TOTALS_KEYS
+        assert set(row["host_ms_per_step"]) == {"launch", "wait", "hidden", "critical", "draft"}
+        assert row["host_ms_per_step"]["launch"] > 0, "every step is launched by the host"
         t = row["totals"]
         assert t["requests"] == 2, "each prompt alone at B = 1, two requests at B = 2"
         assert t["tokens_per_s"] > 0 and t["decode_s"] < t["wall_s"]

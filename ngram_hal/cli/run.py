@@ -441,7 +441,8 @@ class Setup:
         caps = self.backend.capabilities()
         status.print(f"loaded {what} in {self.load_s:.1f} s")
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
-                     f"{self.dtype}, {threads} thread{'s' if threads > 1 else ''}")
+                     f"{self.dtype}{', batch-invariant' if self.model.batch_invariant else ''}, "
+                     f"{threads} thread{'s' if threads > 1 else ''}")
         if self.world > 1:
             status.print(f"tensor parallel: {self.world} ranks over {self.backend.collective_backend()}, rank 0 prints")
         if note:
@@ -590,7 +591,8 @@ def run_command(args: argparse.Namespace) -> int:
         _print_texts(console, result, baseline, same)
     console.print(_requests_table(result, same))
     console.print(_runs_table([(runs[0][0], result)] + ([("plain", baseline)] if baseline else []), baseline))
-    console.print(summary_line(result, baseline, same, greedy=params.greedy), highlight=False, soft_wrap=True)
+    console.print(summary_line(result, baseline, same, greedy=params.greedy, invariant=setup.model.batch_invariant),
+                  highlight=False, soft_wrap=True)
     setup.warn_if_busy(console)
     if args.json:
         payload = {"setup": setup.describe(), "run": result.model_dump(), "peak_rss_bytes": _peak_rss_bytes()}
@@ -643,8 +645,11 @@ def _print_texts(console: Console, result: RunResult, baseline: RunResult | None
             console.print(other.error if other.error else other.text, markup=False, highlight=False)
 
 
-def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool] | None, greedy: bool) -> str:
-    """The run in one line: the speedup, tokens per verify step, identical tokens."""
+def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool] | None, greedy: bool,
+                 invariant: bool = False) -> str:
+    """The run in one line: the speedup, tokens per verify step, identical tokens, and why greedy
+    tokens may differ (sampling; outside the batch-invariant mode, ``invariant`` False, a row's
+    rounding follows the rows beside it)."""
     t = result.totals
     if baseline is None:
         return (f"{t.output_tokens} tokens in {t.wall_s:.1f} s ({_rate(t.tokens_per_s)} tok/s), "
@@ -654,7 +659,9 @@ def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool]
     ids = [r.id for r, ok in zip(result.requests, same) if not ok]
     identical = f"identical tokens: {sum(same)}/{len(same)}"
     if ids:
-        identical += f" (differ: {', '.join(ids)}" + ("" if greedy else "; expected when sampling") + ")"
+        why = ("; expected when sampling" if not greedy else "" if invariant else
+               "; the default numerics round a row by the rows beside it: --batch-invariant keeps them all")
+        identical += f" (differ: {', '.join(ids)}{why})"
     return (f"speedup {speedup or 0:.2f}x ({_rate(t.tokens_per_s)} vs {_rate(b.tokens_per_s)} tok/s), "
             f"{t.tokens_per_verify_step:.2f} tok/verify step, {identical}")
 

@@ -84,8 +84,10 @@ def test_summary_line_names_the_requests_that_differ():
     spec = result([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], wall=1.0, steps=2)
     plain = result([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], wall=2.0, steps=4)
     same = [a.token_ids == b.token_ids for a, b in zip(spec.requests, plain.requests)]
-    assert summary_line(spec, plain, same, greedy=True) == (
+    assert summary_line(spec, plain, same, greedy=True, invariant=True) == (
         "speedup 2.00x (10.0 vs 5.0 tok/s), 2.00 tok/verify step, identical tokens: 1/2 (differ: r1)")
+    assert summary_line(spec, plain, same, greedy=True).endswith(
+        "(differ: r1; the default numerics round a row by the rows beside it: --batch-invariant keeps them all)")
     assert summary_line(spec, plain, same, greedy=False).endswith("(differ: r1; expected when sampling)")
     assert summary_line(spec, None, None, greedy=True) == "10 tokens in 1.0 s (10.0 tok/s), 2.00 tok/verify step"
 
@@ -96,6 +98,15 @@ def test_summary_line_fits_80_columns_at_gpu_rates():
     line = summary_line(fast, plain, [True], greedy=True)
     assert line == "speedup 3.70x (4000 vs 1081 tok/s), 4.00 tok/verify step, identical tokens: 1/1"
     assert len(line) <= 80
+
+
+def test_run_says_the_batch_invariant_mode_ran():
+    done = run_cli("run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "3", "--batch-invariant",
+                   "--threads", "1", "--num-slots", "512")
+    assert done.returncode == 0, done.stderr[-3000:]
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert re.search(rf"using the \S+ backend on \S+, {dtype}, batch-invariant, 1 thread\n", done.stderr), \
+        done.stderr[-2000:]
 
 
 def test_run_compare_as_a_user_runs_it(tmp_path):

@@ -27,8 +27,8 @@ prefill and decode-only tokens/s (tokens after each request's first, over the ti
 request got its first token), tokens per verify step, steps by the tree size the policy chose (a
 step runs fewer nodes when no draft fills the tree: ``mean_tree_nodes``), the device's idle time
 between steps (over the decode window), peak device memory, host ms per step launching it, waiting
-for the device, hidden behind the device or on its critical path, token ids. On CUDA a short extra pass per run under
-``torch.profiler`` counts GPU kernels, host launch calls and GPU busy ms per decode step
+for the device, hidden behind the device or on its critical path, token ids. On CUDA a short extra
+pass per run under ``torch.profiler`` counts GPU kernels, host launch calls and GPU busy ms per decode step
 (``--profile-steps``). Ratios against plain decode of the same batch (graphs and overlap on) and
 against the old baseline (graphs and overlap off); how many requests give the same tokens
 with speculation as without, in each mode; the engine's GPU targets, measured (never an exit code).

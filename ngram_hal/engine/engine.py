@@ -115,7 +115,8 @@ class Engine:
         and captures their prefill graphs (on a host runtime the first prompt alone, which compiles
         the CPU kernels); on a device, prefills of every row count a serving prefill can
         specialise kernels on then run too (:meth:`compile_prefill_rows`); where steps are
-        captured and ``params`` samples or
+        captured, the prefills of every shape an admission of a few requests may take are
+        captured (:meth:`StepGraphs.capture_prefills`), and where ``params`` samples or
         wants log-probabilities, the forward graphs of every batch bucket and tree size are
         captured too. Then :meth:`forget_drafts`, so that what the prompts taught the drafter does
         not help the real run, and the statistics and the seeds of unseeded requests start again.
@@ -133,6 +134,8 @@ class Engine:
             self.generate(list(prompts[i:i + size]), short)
         if not self.backend.runtime.is_host:
             self.compile_prefill_rows(short)
+        if self.graphs is not None:
+            self.graphs.capture_prefills()
         if self.graphs is not None and (not params.greedy or params.logprobs):
             self.graphs.capture_forwards(tree_sizes(self.tree_size))
         self.backend.runtime.synchronize()

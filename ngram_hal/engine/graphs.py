@@ -18,9 +18,10 @@ Two kinds of graph:
   nothing), and its tree masks are fixed chains.
 * a **forward** (:meth:`StepGraphs.forward`): the model forward alone, for steps that sample or
   want log-probabilities; padding requests read no keys (``kv_len`` 0) and store no K/V.
-* a **prefill** of one request (:class:`PaddedPrefill`), padded to a length bucket
-  (:func:`prefill_bucket`): the padding tokens follow the prompt, so causal attention keeps them
-  out of every real row, and they store no K/V. Without it a prefill is a few hundred eager
+* a **prefill** of the few requests admitted together (:class:`PaddedPrefill`, up to
+  :data:`PREFILL_BATCH`), padded to a batch bucket and a length bucket (:func:`prefill_bucket` of their tokens together): the padding
+  tokens follow the last prompt, so causal attention keeps them out of every real row, and they
+  store no K/V; padding requests have no tokens. Without it a prefill is a few hundred eager
   launches whose host time, not the device, sets its cost.
 
 Capture and replay go through the backend's runtime (``graph_capture``, ``new_graph``,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -62,46 +64,77 @@ def _identity_masks(padded: int, tree_size: int, device) -> torch.Tensor:
 
 
 def prefill_bucket(num_tokens: int) -> int:
-    """Padded length of a one-request prefill: the next power of two from 16 up to 512, then the
-    next multiple of 512."""
+    """Padded length of a prefill of ``num_tokens`` prompt tokens: the next power of two from 16
+    up to 512, then the next multiple of 512."""
     if num_tokens <= 512:
         return max(16, 1 << (num_tokens - 1).bit_length())
     return -(-num_tokens // 512) * 512
 
 
-class PaddedPrefill:
-    """The static inputs and the forward of a prefill of one request of up to ``padded`` tokens.
+def prefill_lengths(limit: int) -> list[int]:
+    """Every padded length :func:`prefill_bucket` gives up to ``limit`` tokens."""
+    lengths, n = [], 16
+    while n <= limit:
+        lengths.append(n)
+        n = n * 2 if n < 512 else n + 512
+    return lengths
 
-    :meth:`load` copies a prompt's tokens and cache locations in; :meth:`run` returns the logits
-    of its last token. The rows past the prompt are padding: they sit after every real row (so
-    causal attention never lets a real row see them), store nothing (location -1) and read
-    whatever the request's table row holds past the prompt (a slot or -1; their output is unused).
+
+PREFILL_BATCH = 4
+"""The most requests a captured prefill holds: continuous batching admits a few at a time once the
+batch is full, each admission a prefill; a larger one (a batch's first fill) runs eagerly, once."""
+
+
+class PaddedPrefill:
+    """The static inputs and the forward of a prefill of up to ``batch`` requests and ``padded`` tokens.
+
+    :meth:`load` copies B prompts' tokens, cache locations and request rows in; :meth:`run`
+    returns the logits of each request's last token. The padding tokens follow the last prompt
+    as part of its request (so causal attention never lets a real row see them), store nothing
+    (location -1) and read whatever that request's table row holds past its prompt (a slot or
+    -1; their output is unused). Padding requests past the B real ones have no queries and no
+    keys. The host-side lengths travel in one upload into one buffer that the forward's index
+    tensors are views of.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, padded: int):
+    def __init__(self, model: LlamaModel, kv: KVCache, req_to_token: torch.Tensor, batch: int, padded: int):
         if padded > req_to_token.shape[1]:
             raise ValueError(f"padded: {padded} tokens exceed the request table's {req_to_token.shape[1]} positions")
-        self.model, self.kv, self.padded = model, kv, padded
+        self.model, self.kv, self.padded, self.size = model, kv, padded, batch
         dev = model.device
+        # positions[padded], then per request: rows, kv_lens (= q_lens), logits_index.
+        self.meta = _index(padded + 3 * batch, 0, dev)
+        positions, rows, lens, last = self.meta.split([padded, batch, batch, batch])
+        # Until the first load, request 0 holds every token (as a capture's first run needs: every row is a query).
+        positions.copy_(torch.arange(padded, dtype=torch.int64, device=dev))
+        lens[:1].fill_(padded)
         self.batch = ForwardBatch(
-            input_ids=_index(padded, 0, dev), positions=torch.arange(padded, dtype=torch.int64, device=dev),
-            out_cache_loc=_index(padded, -1, dev), req_to_token=req_to_token, req_pool_indices=_index(1, 0, dev),
-            kv_lens=_index(1, padded, dev), q_lens=_index(1, padded, dev), tree_mask=None, max_kv_len=padded,
-            logits_index=_index(1, 0, dev))
+            input_ids=_index(padded, 0, dev), positions=positions, out_cache_loc=_index(padded, -1, dev),
+            req_to_token=req_to_token, req_pool_indices=rows, kv_lens=lens, q_lens=lens, tree_mask=None,
+            max_kv_len=padded, logits_index=last)
 
-    def load(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, row: torch.Tensor) -> None:
-        """Copy in one request's prompt: input_ids and out_cache_loc int64[N] (N <= padded), row int64[1]."""
-        N, s = input_ids.shape[0], self.batch
-        if not 0 < N <= self.padded:
-            raise ValueError(f"input_ids: {N} tokens do not fit a prefill of {self.padded}")
+    def load(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, rows: torch.Tensor, lens: list[int],
+             upload) -> None:
+        """Copy in B prompts one after another: input_ids and out_cache_loc int64[N] (N =
+        ``sum(lens)`` <= padded), rows int64[B] (B <= the batch size), ``lens`` the prompts'
+        lengths on the host; ``upload`` copies a host list of ints to the device."""
+        N, B, s = input_ids.shape[0], rows.shape[0], self.batch
+        if not 0 < N <= self.padded or sum(lens) != N:
+            raise ValueError(f"input_ids: {N} tokens (prompts of {sum(lens)}) do not fit a prefill of {self.padded}")
+        if not 0 < B <= self.size or len(lens) != B:
+            raise ValueError(f"rows: {B} requests ({len(lens)} lengths) do not fit a prefill of {self.size}")
+        pad, ends = self.padded - N, list(accumulate(lens))
+        kv_lens = lens[:-1] + [lens[-1] + pad] + [0] * (self.size - B)
+        positions = [p for n in kv_lens for p in range(n)]
+        last = [e - 1 for e in ends] + [0] * (self.size - B)
+        self.meta.copy_(upload(positions + [0] * self.size + kv_lens + last))  # rows: padding ones 0
+        s.req_pool_indices[:B].copy_(rows)
         s.input_ids[:N].copy_(input_ids)
         s.out_cache_loc[:N].copy_(out_cache_loc)
         s.out_cache_loc[N:].fill_(-1)
-        s.req_pool_indices.copy_(row)
-        s.logits_index.fill_(N - 1)
 
     def run(self) -> torch.Tensor:
-        """float32[1, V]: the logits of the loaded prompt's last token."""
+        """float32[batch, V]: the logits of each loaded prompt's last token (rows past B: padding)."""
         return self.model.forward(self.batch, self.kv)
 
 
@@ -200,7 +233,7 @@ class StepGraphs:
         self.pool = runtime.new_graph_pool()
         self._steps: dict[tuple[int, int], tuple[GreedyStep, object]] = {}
         self._forwards: dict[tuple[int, int], _Forward] = {}
-        self._prefills: dict[int, tuple[PaddedPrefill, object, torch.Tensor]] = {}
+        self._prefills: dict[tuple[int, int], tuple[PaddedPrefill, object, torch.Tensor]] = {}
         self.captures = 0
 
     def bucket(self, batch_size: int) -> int:
@@ -299,27 +332,42 @@ class StepGraphs:
         return entry.logits[:N]
 
     @property
-    def prefill_sizes(self) -> list[int]:
-        """The padded lengths whose one-request prefill has been captured so far."""
+    def prefill_sizes(self) -> list[tuple[int, int]]:
+        """The (batch bucket, padded length) pairs whose prefill has been captured so far."""
         return sorted(self._prefills)
 
-    def prefill(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, row: torch.Tensor) -> torch.Tensor | None:
-        """Replay the padded prefill of one request (see :meth:`PaddedPrefill.load`): float32[1, V],
-        the logits of its last token, a view valid until the next prefill of the same bucket; None
-        when the prompt's bucket is longer than the request table (run it eagerly then). A bucket's
-        graph is captured at its first use."""
+    def prefill(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor, rows: torch.Tensor, lens: list[int],
+                upload) -> torch.Tensor | None:
+        """Replay the padded prefill of B requests (see :meth:`PaddedPrefill.load`): float32[B, V],
+        the logits of each one's last token, a view valid until the next prefill of the same
+        shape; None for more than :data:`PREFILL_BATCH` requests or when their length bucket is
+        longer than the request table (run them eagerly then). A shape's graph (batch bucket,
+        length bucket) is captured at its first use unless :meth:`capture_prefills` took it."""
         padded = prefill_bucket(input_ids.shape[0])
-        if padded > self.req_to_token.shape[1]:
+        if padded > self.req_to_token.shape[1] or rows.shape[0] > PREFILL_BATCH:
             return None
-        entry = self._prefills.get(padded)
-        if entry is None:
-            step = PaddedPrefill(self.model, self.kv, self.req_to_token, padded)
-            graph, logits = self._capture(step.run)
-            entry = self._prefills[padded] = (step, graph, logits)
-        step, graph, logits = entry
-        step.load(input_ids, out_cache_loc, row)
+        step, graph, logits = self._prefill(self.bucket(rows.shape[0]), padded)
+        step.load(input_ids, out_cache_loc, rows, lens, upload)
         graph.replay()
-        return logits
+        return logits[:rows.shape[0]]
+
+    def capture_prefills(self) -> None:
+        """Capture now the prefill of every batch bucket up to :data:`PREFILL_BATCH` requests and
+        every length bucket the request table holds, so that no admission pays a capture later."""
+        for batch in self.buckets:
+            if batch > PREFILL_BATCH:
+                break
+            for padded in prefill_lengths(self.req_to_token.shape[1]):
+                self._prefill(batch, padded)
+
+    def _prefill(self, batch: int, padded: int) -> tuple[PaddedPrefill, object, torch.Tensor]:
+        key = (batch, padded)
+        entry = self._prefills.get(key)
+        if entry is None:
+            step = PaddedPrefill(self.model, self.kv, self.req_to_token, batch, padded)
+            graph, logits = self._capture(step.run)
+            entry = self._prefills[key] = (step, graph, logits)
+        return entry
 
     def _capture(self, fn):
         """A graph of ``fn`` and its result. An eager run first compiles the kernels and settles the

@@ -68,7 +68,8 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class RequestOutput(BaseModel):
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
     """What the engine reports about one request after a step.
 
     ``new_token_ids`` / ``new_text`` / ``new_logprobs`` are the increment since the previous
@@ -78,7 +79,8 @@ class RequestOutput(BaseModel):
     always add up to the final ``text``. ``finish_reason`` is ``"stop"`` (a stop token or string),
     ``"length"`` (``max_new_tokens`` or the context), ``"abort"`` or ``"error"`` (see ``error``).
     ``verify_steps`` counts the decode (verify) steps the request took part in; the first token
-    comes from the prefill.
+    comes from the prefill. A plain record, not a validated model: the engine makes one from its
+    own state at every step for every running request, on the host's critical path.
     """
 
     rid: str

@@ -32,7 +32,7 @@ class StepRunner:
 
     Args:
         model, kv: the target model and its KV cache.
-        sched: the scheduler (its request table, and the slots a verify step reserves).
+        sched: the scheduler (its request table and tree size).
         transfer: host<->device copies.
         drafts: where the trees come from.
         graphs: the captured steps, or None.
@@ -46,6 +46,9 @@ class StepRunner:
         self.backend = model.backend
         self.device = model.device
         self.relay = OverlapRelay.empty(1, self.device)
+        # The request-table rows of the last verify step's batch, on the device: uploaded again
+        # only when the batch changes (most steps run the same requests).
+        self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def drop(self, keep: list[int]) -> None:
         """Keep only the relay's requests at indices ``keep`` (in order)."""
@@ -65,8 +68,8 @@ class StepRunner:
         sampling = SamplingBatch([r.params for r in reqs], 1, up)
         want_logprobs = any(r.params.logprobs for r in reqs)
         logits = tokens = None
-        if self.graphs is not None and B == 1:
-            logits = self.graphs.prefill(input_ids, out_cache_loc, rows)
+        if self.graphs is not None:
+            logits = self.graphs.prefill(input_ids, out_cache_loc, rows, lens, up)
         if logits is None:
             batch = ForwardBatch(
                 input_ids=input_ids, positions=up([p for n in lens for p in range(n)]),
@@ -105,10 +108,8 @@ class StepRunner:
         self.stats.draft_s += time.perf_counter() - start
         # Device time starts here: host drafting above is time the device may spend idle.
         begin = self._begin()
-        bounds = [r.seq_bound(self.sched.tree_size) for r in reqs]
-        self.sched.reserve(reqs, bounds)
         relay = self.relay
-        rows = self.transfer.upload([r.row for r in reqs])
+        rows = self._batch_rows(reqs)
         trees = self.drafts.trees(relay, rows, tree_size, score_plain)
         captured = (self.graphs is not None and all(r.params.greedy for r in reqs)
                     and not any(r.params.logprobs for r in reqs))
@@ -116,7 +117,8 @@ class StepRunner:
         if captured:
             result = self.graphs.greedy_step(trees.tokens, trees.mask, rows, relay.new_seq_lens, tree_size)
         else:
-            result, logprobs = self._verify(reqs, trees, rows, relay.new_seq_lens, max(bounds) + tree_size)
+            bound = max(r.seq_bound(self.sched.tree_size) for r in reqs)
+            result, logprobs = self._verify(reqs, trees, rows, relay.new_seq_lens, bound + tree_size)
         self.drafts.stepped(rows, result, captured)
         self.relay = result
         for r in reqs:
@@ -127,6 +129,13 @@ class StepRunner:
         step = self._ship("decode", reqs, result, logprobs, start, begin, shadow)
         step.tree_size, step.bucket, step.offered, step.context = tree_size, bucket, trees.offered, context
         return step
+
+    def _batch_rows(self, reqs: list[Request]) -> torch.Tensor:
+        """int64[B]: the request-table rows of ``reqs`` on the device (read only)."""
+        key = tuple(r.row for r in reqs)
+        if self._rows is None or self._rows[0] != key:
+            self._rows = key, self.transfer.upload(key)
+        return self._rows[1]
 
     def _verify(self, reqs: list[Request], trees: Trees, rows: torch.Tensor, seq_lens: torch.Tensor,
                 max_kv_len: int) -> tuple[OverlapRelay, torch.Tensor | None]:

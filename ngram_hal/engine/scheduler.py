@@ -1,13 +1,14 @@
 """Admission and KV-slot bookkeeping for continuous batching.
 
 Each request gets a slot budget when it arrives: its prompt, its (context-clamped) new tokens and
-``3*D`` for the draft tree of the last step, the step the host may launch before it has seen that
-the request finished, and the ``2*D`` reserved ahead (more is reserved where the budget allows,
-which saves launches). Slots come in pages of ``page_size`` through the HAL's ``alloc_extend``
-(a request fills the rest of its last page before it takes a new one), and budgets are counted
-in whole pages. A waiting request is admitted only when the free pages cover its budget on top of
-what the running requests may still claim, so a running request never meets an empty cache and
-nothing is ever preempted. A request whose budget exceeds the whole cache, or whose
+``3*D`` for the draft trees of its last steps (the last one's nodes, the step the host may launch
+before it has seen that the request finished, and the slack of the relay's bound). Slots come in
+pages of ``page_size`` through the HAL's ``alloc_extend`` (a request fills the rest of its last
+page before it takes a new one), and budgets are counted in whole pages. A waiting request is
+admitted only when the free pages cover its budget, and admission takes the whole budget at once:
+a running request never meets an empty cache, nothing is ever preempted, and no decode step
+allocates (admission already set those pages aside, so taking them early costs no capacity, and a
+request that stops early gives them all back). A request whose budget exceeds the whole cache, or whose
 prompt leaves no room in the context, fails on its own with a clear error; the others are
 unaffected.
 """
@@ -62,9 +63,6 @@ class Scheduler:
         self.slots = SlotAllocator(backend, num_slots, page_size)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.tree_size = tree_size
-        # Slots reserved past a request's next step: at least 2*D, and 32 positions so that plain
-        # and short-tree decoding allocates (two launches and three uploads) every few dozen steps.
-        self.ahead = tree_size + max(tree_size, 32)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,19 +90,15 @@ class Scheduler:
     def _pages(self, slots: int) -> int:
         return pages_of(slots, self.slots.page_size)
 
-    def outstanding(self) -> int:
-        """Pages the running requests may still claim."""
-        return sum(self._pages(r.slot_budget) - self._pages(r.allocated) for r in self.running)
-
     def admit(self) -> list[Request]:
         """Move waiting requests (first come, first served) that fit now into the running set.
 
-        Each admitted request gets a pool row and slots for its prompt plus ``ahead``.
+        Each admitted request gets a pool row and the slots of its whole budget.
         """
         admitted: list[Request] = []
         if not self.waiting:
             return admitted
-        free = self.slots.free_pages - self.outstanding()
+        free = self.slots.free_pages
         tokens = 0
         while self.waiting and self.pool.available() > len(admitted):
             req = self.waiting[0]
@@ -120,33 +114,22 @@ class Scheduler:
         for req in admitted:
             req.row = self.pool.alloc()
             req.status = Status.RUNNING
-        self.extend(admitted, [min(len(r.prompt_ids) + self.ahead, r.slot_budget) for r in admitted])
+        self._allocate(admitted)
         self.running.extend(admitted)
         return admitted
 
-    def reserve(self, reqs: list[Request], bounds: list[int]) -> None:
-        """Make sure each request holds slots up to ``bound + D`` (``bounds``: KV-length upper bounds);
-        a request short of that gets slots up to ``bound + ahead`` (within its budget)."""
-        D = self.tree_size
-        targets = [r.allocated if r.allocated >= b + D else min(b + self.ahead, r.slot_budget)
-                   for r, b in zip(reqs, bounds)]
-        self.extend(reqs, targets)
-
-    def extend(self, reqs: list[Request], targets: list[int]) -> None:
-        """Allocate slots for positions ``allocated .. target - 1`` of each request (``alloc_extend``:
-        the rest of its last page first) and record them in the request table."""
-        grow = [(r, t) for r, t in zip(reqs, targets) if t > r.allocated]
-        if not grow:
-            return
+    def _allocate(self, reqs: list[Request]) -> None:
+        """Give each newly admitted request (holding no slot yet) the slots of positions
+        ``0 .. slot_budget - 1`` (``alloc_extend`` from nothing: whole pages) and record them in
+        the request table."""
         up = self.transfer.upload
-        prefix, seq = [r.allocated for r, _ in grow], [t for _, t in grow]
-        rows, prefix_dev, seq_dev = up([r.row for r, _ in grow]), up(prefix), up(seq)
-        # The slot of each request's last allocated position (-1 where it holds none).
-        last = self.req_to_token[rows, (prefix_dev - 1).clamp(min=0)].masked_fill(prefix_dev == 0, -1)
+        prefix, seq = [0] * len(reqs), [r.slot_budget for r in reqs]
+        rows, prefix_dev, seq_dev = up([r.row for r in reqs]), up(prefix), up(seq)
+        last = torch.full_like(prefix_dev, -1)  # no request holds a slot yet
         locs = self.slots.alloc_extend(prefix_dev, seq_dev, last, prefix, seq)
         self.backend.assign_req_to_token(self.req_to_token, rows, prefix_dev, seq_dev, locs)
-        for r, t in grow:
-            r.allocated = t
+        for r in reqs:
+            r.allocated = r.slot_budget
 
     def release(self, reqs: list[Request]) -> None:
         """Give back every slot and the row of each request (finished or aborted)."""

@@ -64,6 +64,8 @@ class OverlapRelay:
     def last_tokens(self) -> torch.Tensor:
         """int64[B], each request's last committed token (the root of its next draft tree)."""
         B, D = self.batch_size, self.tree_size
+        if D == 1:  # one token a request (a prefill's, a plain step's): no gather to launch
+            return self.accept_tokens
         last = (self.accept_lens - 1).clamp(min=0).unsqueeze(1)
         return self.accept_tokens.view(B, D).gather(1, last).squeeze(1)
 

@@ -330,6 +330,28 @@ def test_pages_of_any_size_give_the_same_tokens(prompts, reference, page_size, s
         assert_all_free(engine)
 
 
+@pytest.mark.parametrize("tree_size", [1, 8])
+def test_slots_are_taken_at_admission_only(model, prompts, reference, tree_size):
+    """Admission takes each request's whole slot budget in the prefill's one alloc_extend, so no
+    decode step allocates (no launch, no upload for slots); continuous batching through two
+    seats still commits the reference tokens and every slot comes back."""
+    engine = make(model, tree_size=tree_size, max_running=2)
+    calls = []
+    alloc_extend = engine.backend.alloc_extend
+    engine.backend.alloc_extend = lambda *args: calls.append(engine.stats.prefill_steps) or alloc_extend(*args)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        assert all(r.allocated == r.slot_budget for r in engine.sched.running)
+    final = {o.rid: o for o in outputs if o.finished}
+    assert [final[rid].token_ids for rid in rids] == [r.token_ids for r in reference]
+    assert engine.stats.decode_steps > engine.stats.prefill_steps
+    # One allocation per prefill, made before that prefill was counted.
+    assert calls == list(range(engine.stats.prefill_steps))
+    assert_all_free(engine)
+
+
 def test_request_larger_than_the_cache_fails_alone(model, prompts, reference):
     engine = make(model, tree_size=8, num_slots=100)
     outs = engine.generate([prompts[0], prompts[3], prompts[2]],

@@ -1,7 +1,7 @@
 """The engine on a GPU through the cuda backend: captured step graphs, bfloat16, the fused model
 kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 
-* Replaying captured graphs (decode and verify steps, and padded one-request prefills) gives the
+* Replaying captured graphs (decode and verify steps, and padded prefills) gives the
   tokens of eager forwards (batch-invariant mode, where both read the keys in the same fixed
   chunks).
 * Greedy with speculation equals greedy without it in the batch-invariant mode, for chain-shaped
@@ -77,8 +77,9 @@ def test_graphs_replay_the_eager_forward(backend, prompts, alone):
     for tree_size in (1, 4):
         engine, with_graphs = _run(model, prompts, alone, tree_size=tree_size, graphs=True)
         assert engine.graphs is not None and engine.graphs.captures > 0
-        # Prompts of 24-60 tokens prefilled alone replay the padded prefills of 32 and 64 tokens.
-        assert engine.graphs.prefill_sizes == ([32, 64] if alone else [])
+        # Prompts of 24-48 tokens prefilled alone replay the padded prefills of 32 and 64 tokens;
+        # the four prefilled together (154 tokens), the prefill of four requests and 256 tokens.
+        assert engine.graphs.prefill_sizes == ([(1, 32), (1, 64)] if alone else [(4, 256)])
         _, eager = _run(model, prompts, alone, tree_size=tree_size, graphs=False)
         assert with_graphs == eager
 

@@ -1,8 +1,8 @@
 """The steps that graphs capture (``ngram_hal.engine.graphs``), run eagerly on the CPU.
 
 The greedy verify step (``GreedyStep``), padded to a larger batch, commits what the op-by-op step
-commits for the real requests; the one-request prefill (``PaddedPrefill``), padded to a longer
-prompt, gives the unpadded forward's logits and K/V. Both leave every other slot of the cache as
+commits for the real requests; the prefill of several requests (``PaddedPrefill``), padded to
+more requests and tokens, gives the unpadded forward's logits and K/V. Both leave every other slot of the cache as
 it was."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket
+from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket, prefill_lengths
 from ngram_hal.engine.model import ForwardBatch, LlamaModel
 from ngram_hal.reference import CpuBackend
 from ngram_hal.speculative.lookup import DeviceDrafter
@@ -144,44 +144,71 @@ def test_prefill_buckets():
     assert [prefill_bucket(n) for n in (1, 16, 17, 444, 512, 513, 1500)] == [16, 16, 32, 512, 512, 1024, 1536]
 
 
+def test_prefill_lengths_are_every_bucket_up_to_the_limit():
+    assert prefill_lengths(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert prefill_lengths(100) == [16, 32, 64]
+    for limit in (16, 100, 512, 1500, 4096):
+        buckets = {prefill_bucket(n) for n in range(1, limit + 1)}
+        assert prefill_lengths(limit) == sorted(b for b in buckets if b <= limit)
+
+
+PREFILL_PROMPTS = [[1, 9, 33, 4, 4, 17, 2, 60, 5], [7, 7, 8], [2, 50, 3, 3, 11]]
+
+
 @pytest.mark.parametrize("table_tail", ["unassigned", "stale slots"])
-def test_padded_prefill_equals_the_unpadded_forward(table_tail):
+@pytest.mark.parametrize("requests,batch", [(1, 1), (1, 2), (3, 4)])
+def test_padded_prefill_equals_the_unpadded_forward(table_tail, requests, batch):
+    """Prompts prefilled together, padded to ``batch`` requests and 16 (or 32) tokens, give the
+    unpadded forward's last-token logits and K/V, and write no other slot."""
     model = LlamaModel.random(TINY, CpuBackend(), seed=7)
-    kv, table, _, _ = _state(model)
-    prompt = torch.tensor([1, 9, 33, 4, 4, 17, 2, 60, 5], dtype=I64)
-    N, row = prompt.shape[0], 2
-    table[row, :N] = torch.arange(100, 100 + N)
+    kv, _, _, _ = _state(model)
+    table = torch.full((6, 64), -1, dtype=I64)
+    prompts = [torch.tensor(p, dtype=I64) for p in PREFILL_PROMPTS[:requests]]
+    lens = [p.shape[0] for p in prompts]
+    rows = [2, 5, 4][:requests]
+    start = 100
+    for r, n in zip(rows, lens):
+        table[r, :n] = torch.arange(start, start + n)
+        start += n
     if table_tail == "stale slots":
-        table[row, N:32] = torch.arange(96 - (32 - N), 96)
-    locs = table[row, :N].clone()
+        table[rows[-1], lens[-1]:32] = torch.arange(96 - (32 - lens[-1]), 96)
+    locs = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
+    ids = torch.cat(prompts)
+    N = ids.shape[0]
 
     ref_kv = model.new_kv_cache(128)
     ref_kv.k.copy_(kv.k)
     ref_kv.v.copy_(kv.v)
-    want = model.forward(ForwardBatch(input_ids=prompt, positions=torch.arange(N), out_cache_loc=locs,
-                                      req_to_token=table, req_pool_indices=torch.tensor([row]),
-                                      kv_lens=torch.tensor([N]), q_lens=torch.tensor([N]),
-                                      logits_index=torch.tensor([N - 1])), ref_kv)
+    want = model.forward(ForwardBatch(input_ids=ids, positions=torch.tensor([i for n in lens for i in range(n)]),
+                                      out_cache_loc=locs, req_to_token=table, req_pool_indices=torch.tensor(rows),
+                                      kv_lens=torch.tensor(lens), q_lens=torch.tensor(lens),
+                                      logits_index=torch.tensor(lens).cumsum(0) - 1), ref_kv)
 
-    step = PaddedPrefill(model, kv, table, 16)
+    padded = 16 if N <= 16 else 32
+    step = PaddedPrefill(model, kv, table, batch, padded)
     step.run()  # what capture runs first: nothing loaded, so no write
-    step.load(prompt, locs, torch.tensor([row]))
+    step.load(ids, locs, torch.tensor(rows), lens, torch.tensor)
     got = step.run()
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.shape == (batch, want.shape[1])
+    torch.testing.assert_close(got[:requests], want, rtol=1e-5, atol=1e-5)
     others = torch.ones(kv.k.shape[1], dtype=torch.bool)
     others[locs] = False
     others[-1] = False  # the scratch row where writes aimed at -1 land
     for got_c, want_c in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
         torch.testing.assert_close(got_c[:, locs], want_c[:, locs], rtol=1e-5, atol=1e-5)
-        assert torch.equal(got_c[:, others], want_c[:, others]), "the padded prefill wrote outside the prompt's slots"
+        assert torch.equal(got_c[:, others], want_c[:, others]), "the padded prefill wrote outside the prompts' slots"
 
 
 def test_padded_prefill_refuses_what_does_not_fit():
     model = LlamaModel.random(TINY, CpuBackend(), seed=7)
     kv, table, _, _ = _state(model)
     with pytest.raises(ValueError, match="exceed the request table"):
-        PaddedPrefill(model, kv, table, 128)
-    step = PaddedPrefill(model, kv, table, 16)
-    with pytest.raises(ValueError, match="do not fit"):
-        step.load(torch.zeros(17, dtype=I64), torch.zeros(17, dtype=I64), torch.tensor([0]))
+        PaddedPrefill(model, kv, table, 1, 128)
+    step = PaddedPrefill(model, kv, table, 2, 16)
+    with pytest.raises(ValueError, match="tokens .* do not fit"):
+        step.load(torch.zeros(17, dtype=I64), torch.zeros(17, dtype=I64), torch.tensor([0]), [17], torch.tensor)
+    with pytest.raises(ValueError, match="tokens .* do not fit"):
+        step.load(torch.zeros(6, dtype=I64), torch.zeros(6, dtype=I64), torch.tensor([0]), [5], torch.tensor)
+    with pytest.raises(ValueError, match="requests .* do not fit"):
+        step.load(torch.zeros(6, dtype=I64), torch.zeros(6, dtype=I64), torch.tensor([0, 1, 2]), [2, 2, 2],
+                  torch.tensor)

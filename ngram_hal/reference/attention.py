@@ -17,7 +17,10 @@ as the plan of an :class:`ngram_hal.AttentionLayout`); :func:`attention` runs on
   and order whatever else shares the call, and a tree node computes exactly what the decode of
   its path computes once that path is accepted.
 
-Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`.
+Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`. On
+the CPU in float32, blocks of one query (decode steps) outside the batch-invariant layout run
+through a compiled kernel that reads each key where it lies instead
+(:mod:`ngram_hal.kernels.cpu.attention`).
 Arguments are validated by :class:`ngram_hal.Backend` before these functions run. Values the
 contract forbids (checked only in strict mode) are masked as a kernel would mask them: negative
 ``q_lens`` count as 0, queries past the runs (or past what a request's blocks hold) read as
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu.attention import KERNEL_QUERIES, attend
 from ..kv_cache import KVCache
 from .ragged import flatten, within
 
@@ -200,6 +204,15 @@ def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: 
     return Plan(blocks, torch.where(readable, slots, -1), batch_invariant)
 
 
+def in_place(q_pad: torch.Tensor, kv: KVCache, plan: Plan) -> bool:
+    """Whether the blocks run through the compiled kernel that reads keys where they lie
+    (:func:`~ngram_hal.kernels.cpu.attention.attend`): float32 on the CPU, blocks of at most
+    :data:`~ngram_hal.kernels.cpu.attention.KERNEL_QUERIES` queries (decode steps), outside the
+    batch-invariant layout (whose blocks keep torch's products, the same for every block count)."""
+    return (q_pad.device.type == "cpu" and q_pad.dtype == torch.float32 and kv.dtype == torch.float32
+            and plan.blocks.size <= KERNEL_QUERIES and not plan.invariant)
+
+
 def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_scale: float) -> torch.Tensor:
     """Paged attention; see :meth:`ngram_hal.Backend.attention` for the contract.
 
@@ -225,19 +238,22 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
         q_pad = qw.view(G, Bq, Hq, d)
     else:
         q_pad = q.new_zeros(G * Bq + 1, Hq, d, dtype=work).index_copy_(0, blocks.flat, qw)[:G * Bq].view(G, Bq, Hq, d)
-    H, elt = kv.num_heads, torch.empty((), dtype=work).element_size()
-    chunk = max(1, CHUNK_BYTES // (T * elt * (2 * H * d + Hq * Bq)))
     out_rows = torch.empty(G * Bq + spare, Hq, d, dtype=work, device=q.device)
     out_rows[G * Bq:] = 0
     out = out_rows[:G * Bq].view(G, Bq, Hq, d)
-    for s in range(0, G, chunk):
-        e = min(G, s + chunk)
-        r = rows[s:e].reshape(-1)
-        k = kv.k[layer].index_select(0, r).view(e - s, T, H, d)
-        v = kv.v[layer].index_select(0, r).view(e - s, T, H, d)
-        if k.dtype != work:
-            k, v = k.to(work), v.to(work)
-        out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
+    if in_place(q_pad, kv, plan):
+        attend(q_pad, kv.k[layer], kv.v[layer], rows, blocks.mask, sm_scale, out)
+    else:
+        H, elt = kv.num_heads, torch.empty((), dtype=work).element_size()
+        chunk = max(1, CHUNK_BYTES // (T * elt * (2 * H * d + Hq * Bq)))
+        for s in range(0, G, chunk):
+            e = min(G, s + chunk)
+            r = rows[s:e].reshape(-1)
+            k = kv.k[layer].index_select(0, r).view(e - s, T, H, d)
+            v = kv.v[layer].index_select(0, r).view(e - s, T, H, d)
+            if k.dtype != work:
+                k, v = k.to(work), v.to(work)
+            out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
     out = out_rows if dense else out_rows.index_select(0, blocks.flat)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 

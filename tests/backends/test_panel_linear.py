@@ -19,15 +19,6 @@ def weight() -> torch.Tensor:
     return torch.randn(2 * PANEL + 37, 96, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    """Run the test with torch (and so the kernels) on this many threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, BLOCK_ROWS, BLOCK_ROWS + 1, 7, KERNEL_ROWS, KERNEL_ROWS + 1, 100])
 def test_matches_f_linear(weight, threads, rows):
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))

@@ -12,7 +12,6 @@ from ngram_hal.kernels.cpu import CpuLayerKernels, PanelLinear, QuantPanelLinear
 from ngram_hal.kernels.cpu.panel_linear import KERNEL_ROWS, PANEL
 from ngram_hal.kernels.cpu.quant_linear import quantize_exactly
 from ngram_hal.reference import CpuBackend
-from test_panel_linear import threads  # noqa: F401 (the fixture: 1 and 2 threads)
 
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 

@@ -11,7 +11,9 @@ and every query of the block against each key a query of the block sees, in colu
 query head, the largest score it sees, the exponentials (:func:`_exp`) and their sum; the values
 weighted by them, in column order; the sum divided out. A query that sees no key gives zeros.
 Each query is computed alone, in the same order whatever else shares the call, so its result does
-not depend on the batch or the thread count.
+not depend on the batch. The serial build (one thread) and the parallel one are compiled apart:
+their vectorized dot products may sum in another order, so bits are the same across batches at
+one thread count, not promised across thread counts.
 
 Measured on the 2-core CPU, one thread, 9 query heads over 3 KV heads of 64 (``python
 bench/bench_cpu_attention.py``): the kernel wins for one query a block and loses from three or

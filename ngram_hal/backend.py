@@ -579,11 +579,11 @@ class Backend:
     # ---------------------------------------------------------------- attention
 
     @declare_builder("attention", "req_to_token:index, req_pool_indices:index, kv_lens:index=, q_lens:index=, "
-                     "num_queries:int, tree_mask:mask=, max_kv_len:int, batch_invariant:flag")
+                     "num_queries:int, tree_mask:mask=, max_kv_len:int, batch_invariant:flag, q_active:index=")
     def attention_layout(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          kv_lens: torch.Tensor, q_lens: torch.Tensor, num_queries: int,
                          tree_mask: torch.Tensor | None = None, max_kv_len: int | None = None,
-                         batch_invariant: bool = False) -> "AttentionLayout":
+                         batch_invariant: bool = False, q_active: torch.Tensor | None = None) -> "AttentionLayout":
         """The work split of one batch's attention, built once and reused by every layer.
 
         Which queries of which request each program handles and which KV rows it reads depend
@@ -602,6 +602,9 @@ class Backend:
                 of the batch (same tiling and key chunks whatever B, N or the lengths; together with
                 a fixed ``max_kv_len``). A backend that cannot do better may ignore it only if its
                 results are invariant anyway.
+            q_active: int64[B] or None: only request b's first ``q_active[b]`` queries attend (a
+                verify step's nodes worth verifying); the others read no key and their rows of the
+                output are zero, which lets a backend skip their work. None: every query attends.
         Returns:
             An :class:`AttentionLayout`.
         """
@@ -612,6 +615,8 @@ class Backend:
         c.check_index(op, "kv_lens", kv_lens, dev, shape=(B,))
         c.check_index(op, "q_lens", q_lens, dev, shape=(B,))
         c.check_int(op, "num_queries", num_queries)
+        if q_active is not None:
+            c.check_index(op, "q_active", q_active, dev, shape=(B,))
         if tree_mask is not None:
             c.check_mask(op, "tree_mask", tree_mask, dev, ndim=3)
             if tree_mask.shape[0] != B or tree_mask.shape[1] != tree_mask.shape[2]:
@@ -626,6 +631,8 @@ class Backend:
             c.value_equal(op, "q", num_queries, int(q_lens.sum()), "rows vs sum(q_lens)")
             if bool((q_lens > kv_lens).any()) or bool((q_lens < 0).any()):
                 raise c.ContractError(op, "q_lens", "need 0 <= q_lens <= kv_lens")
+            if q_active is not None and bool((q_active < 0).any()):
+                raise c.ContractError(op, "q_active", "need q_active >= 0")
             R, M = req_to_token.shape
             c.value_range(op, "req_pool_indices", req_pool_indices, 0, R, allow_sentinel=False)
             c.value_range(op, "kv_lens", kv_lens, 0, M + 1, allow_sentinel=False)
@@ -641,7 +648,8 @@ class Backend:
             max_kv_len = int(kv_lens.max()) if B else 0
         layout = AttentionLayout(backend=self, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                                  kv_lens=kv_lens, q_lens=q_lens, tree_mask=tree_mask,
-                                 num_queries=num_queries, max_kv_len=max_kv_len, batch_invariant=bool(batch_invariant))
+                                 num_queries=num_queries, max_kv_len=max_kv_len, batch_invariant=bool(batch_invariant),
+                                 q_active=q_active)
         if self.strict:
             layout.max_slot = max_slot
         layout.plan = self._attention_layout(layout)
@@ -656,7 +664,7 @@ class Backend:
              summary="paged attention of B requests' queries over the cache: prefill, decode or tree",
              rules=("rows of q == sum(q_lens)", "0 <= q_lens <= kv_lens", "req_pool_indices in [0, R)", "kv_lens <= M",
                     "max_kv_len >= max(kv_lens)", "with a tree mask, every q_lens == D and a valid tree",
-                    "every slot read in [0, S)"))
+                    "every slot read in [0, S)", "q_active >= 0"))
     def attention(self, q: torch.Tensor, kv: "KVCache", layer: int, req_to_token: torch.Tensor,
                   req_pool_indices: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                   sm_scale: float, tree_mask: torch.Tensor | None = None,
@@ -676,7 +684,8 @@ class Backend:
             sm_scale: softmax scale. tree_mask: bool[B, D, D] or None.
             max_kv_len: host int >= max(kv_lens); lets a backend size buffers without a sync.
             layout: from :meth:`attention_layout` over these same tensors (every layer of a
-                forward shares one); None builds it here.
+                forward shares one); None builds it here. A layout built with ``q_active`` zeroes
+                the rows of the queries it leaves out.
         Returns:
             ``out``: float[N, Hq, d] in q's dtype.
         """

@@ -310,8 +310,8 @@ def value_read_slots(op: str, name: str, req_to_token: torch.Tensor, req_pool_in
 
 def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                            accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int,
-                           live: torch.Tensor | None = None, out: torch.Tensor | None = None
-                           ) -> tuple[int, int, int, int]:
+                           live: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           match: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """Check the arguments of the device drafter's record-and-draft kernel
     (:func:`ngram_hal.speculative.lookup.record_and_draft` and its Triton implementation) from
     their metadata alone; ``(B, W, S, n)``. A wrong one raises ``ContractError`` naming it."""
@@ -328,4 +328,6 @@ def check_record_and_draft(op: str, table: torch.Tensor, rows: torch.Tensor, acc
         check_index(op, "live", live, dev, shape=(1,))
     if out is not None:
         check_index(op, "out", out, dev, shape=(B * n,))
+    if match is not None:
+        check_index(op, "match", match, dev, shape=(B,))
     return B, W, total // B if B else 1, n

@@ -20,11 +20,14 @@ class AttentionLayout:
     of the same forward. ``plan`` is the backend's own (None for a backend that precomputes
     nothing). The tensors are held, not copied: writing to them in place invalidates the layout.
     ``max_slot`` is the largest slot a request reads, found by a strict backend (None otherwise).
+    ``q_active`` (int64[B] or None): each request's first so-many queries attend, the others give
+    zero rows (:meth:`Backend.attention_layout`).
     """
 
     def __init__(self, backend: Backend, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                  kv_lens: torch.Tensor, q_lens: torch.Tensor, tree_mask: torch.Tensor | None,
-                 num_queries: int, max_kv_len: int, batch_invariant: bool = False):
+                 num_queries: int, max_kv_len: int, batch_invariant: bool = False,
+                 q_active: torch.Tensor | None = None):
         self.backend = backend
         self.req_to_token = req_to_token
         self.req_pool_indices = req_pool_indices
@@ -34,6 +37,7 @@ class AttentionLayout:
         self.num_queries = num_queries
         self.max_kv_len = max_kv_len
         self.batch_invariant = batch_invariant
+        self.q_active = q_active
         self.max_slot: int | None = None
         self.plan = None
 

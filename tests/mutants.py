@@ -873,6 +873,28 @@ class AttentionTreeMaskIgnored(Mutant):
         return _plan(layout, torch.ones_like(layout.tree_mask))
 
 
+class AttentionActiveIgnored(Mutant):
+    """Computes every query, as if the layout had no ``q_active``."""
+
+    fault, op = "mask ignored", "attention"
+    caught_by = tuple(f"test_attention.py::test_active_queries[{m}]" for m in ("chain", "branching", "extend"))
+
+    def _attention_layout(self, layout):
+        return _plan(layout, layout.tree_mask)
+
+
+class AttentionActiveOneShort(Mutant):
+    """Zeroes one query more than ``q_active`` leaves out (``i >= q_active - 1``)."""
+
+    fault, op = "off-by-one", "attention"
+    caught_by = tuple(f"test_attention.py::test_active_queries[{m}]" for m in ("chain", "branching", "extend"))
+
+    def _attention_layout(self, layout):
+        return attention.layout(layout.req_to_token, layout.req_pool_indices, layout.kv_lens, layout.q_lens,
+                                layout.tree_mask, layout.num_queries, layout.max_kv_len, layout.batch_invariant,
+                                None if layout.q_active is None else (layout.q_active - 1).clamp(min=0))
+
+
 class AttentionReadsOneKeyMore(Mutant):
     """Reads ``kv_lens + 1`` positions: each query sees the key after its own."""
 

@@ -38,7 +38,8 @@ def _minimal_attention(rng, device, page_size, dtype):
 
 @cases.minimal_call("attention_layout")
 def _minimal_layout(rng, device, page_size, dtype):
-    return cases.Call("attention", {**_minimal_layout_args(device), "num_queries": 6}, method="attention_layout")
+    return cases.Call("attention", {**_minimal_layout_args(device), "num_queries": 6,
+                                    "q_active": cases.index([2, 3], device)}, method="attention_layout")
 
 
 def _minimal_layout_args(device) -> dict:
@@ -209,6 +210,32 @@ def test_tree_verify(backend, device, trees):
     prefixes = [7, 0, 13][:len(trees)]
     _each_dtype(backend, device, f"tree{trees}", kv_lens=[p + D for p in prefixes], q_lens=[D] * len(trees),
                 trees=trees)
+
+
+@conformance(op="attention", tier="semantics")
+@pytest.mark.parametrize("mode", ["chain", "branching", "extend"])
+def test_active_queries(backend, device, mode):
+    """A layout's ``q_active`` leaves each request's queries from that count on out: their rows are
+    zero, and the other rows are the dense result (a count of 0, one within and one past the
+    request's queries)."""
+    trees = {"chain": [[-1, 0, 1, 2, 3, 4, 5]] * 3, "branching": [[-1, 0, 0, 1, 2, 1, 3]] * 3, "extend": None}[mode]
+    q_lens = [7, 7, 7] if trees else [7, 4, 1]
+    q_active = [0, 3, 9]
+    for dtype in kv_dtypes(backend):
+        call = attention_call(random.Random(f"active-{mode}-{dtype}"), device, dtype, kv_lens=[12, 7, 30],
+                              q_lens=q_lens, trees=trees, poison=True, spare_slots=6)
+        a = call.args
+        layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                          a["q"].shape[0], a["tree_mask"], a["max_kv_len"],
+                                          q_active=cases.index(q_active, device))
+        got = host(call.replace(layout=layout).run(backend)).double()
+        want = dense_attention(a["q"], a["kv"].k, a["kv"].v, a["layer"], a["req_to_token"], a["req_pool_indices"],
+                               a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
+        active = torch.cat([torch.arange(n) < k for n, k in zip(q_lens, q_active)])
+        assert bool((got[~active] == 0).all()), f"{mode} {dtype}: a query past q_active has a nonzero row"
+        atol, rtol = TOLERANCE[dtype]
+        torch.testing.assert_close(got[active], want[active], atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{mode} {dtype}, the active queries: {m}")
 
 
 @conformance(op="attention", tier="semantics")

@@ -19,7 +19,7 @@ import torch
 from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.kv_cache import KVCache
 from ngram_hal.model_kernels import TorchLayerKernels, default_dtype
-from ngram_hal.speculative.lookup import DeviceDrafter, record_and_draft
+from ngram_hal.speculative.lookup import DeviceDrafter, active_nodes, record_and_draft
 from ngram_hal.speculative.relay import OverlapRelay
 
 from .checks import host
@@ -157,9 +157,12 @@ def test_device_lookup_matches_torch(backend, tree_size):
     accept_tokens = torch.tensor([base[0], base[1], base[2], -1, 7, -1, -1, -1, 1, 2, 3, 4], dtype=torch.int64,
                                  device=dev)
     relay = OverlapRelay(accept_tokens, accept_lens, lens + accept_lens, D)
-    got = drafter.draft(rows, relay, tree_size)
+    got, active = drafter.draft(rows, relay, tree_size)
+    match = torch.empty(B, dtype=torch.int64, device=dev)
     want = record_and_draft(table, rows, accept_tokens, accept_lens, lens + accept_lens, tree_size, drafter.max_ngram,
-                            drafter.min_ngram)
+                            drafter.min_ngram, match=match)
     assert host(drafter.table).equal(host(table)), "the token table after recording differs from torch's"
     assert host(got).equal(host(want)), (f"chains {host(got).view(B, tree_size).tolist()}, "
                                          f"torch {host(want).view(B, tree_size).tolist()}")
+    assert host(active).equal(host(active_nodes(match, tree_size))), (
+        f"active nodes {host(active).tolist()}, torch {host(active_nodes(match, tree_size)).tolist()}")

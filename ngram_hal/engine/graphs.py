@@ -159,25 +159,31 @@ class GreedyStep:
         self.seq_lens = _index(padded, 0, dev)
         self.count = _index(1, 0, dev)
         self.q_lens = _index(padded, tree_size, dev)
+        self.active = _index(padded, tree_size, dev)
         self.tree_mask = (_identity_masks if drafter is None else chain_masks)(padded, tree_size, dev)
         self.slot = torch.arange(padded, dtype=torch.int64, device=dev)
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def load(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
-             seq_lens: torch.Tensor) -> None:
+             seq_lens: torch.Tensor, active: torch.Tensor | None = None) -> None:
         """Copy in a step of B requests: tokens int64[B*n] or [B, n] (a view will do), tree_mask
         bool[B, n, n] (None when ``tree_size == 1``, and with a drafter, whose trees are chains), rows
-        and seq_lens int64[B]."""
+        and seq_lens int64[B], and the trees' active nodes int64[B] (None: all n)."""
         B = rows.shape[0]
         self.tokens[:B * self.tree_size].view(B, self.tree_size).copy_(tokens.view(B, self.tree_size))
         if self.tree_size > 1 and self.drafter is None:
             self.tree_mask[:B].copy_(tree_mask)
         self.rows[:B].copy_(rows)
         self.seq_lens[:B].copy_(seq_lens)
+        if active is None:
+            self.active[:B].fill_(self.tree_size)
+        else:
+            self.active[:B].copy_(active)
         self.count.fill_(B)
         if B < self.padded:
             self.rows[B:].fill_(0)
             self.seq_lens[B:].fill_(0)
+            self.active[B:].fill_(0)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step over the loaded buffers: ``(accept_tokens[Bp*n], accept_lens[Bp], new_seq_lens[Bp])``."""
@@ -185,7 +191,8 @@ class GreedyStep:
         live = (self.slot < self.count).unsqueeze(1).expand(self.padded, n).reshape(-1)
         relay, _ = verify_step(self.model.backend, lambda batch: self.model.forward_argmax(batch, self.kv), self.kv,
                                r2t, self.tokens, self.tree_mask, self.rows, self.seq_lens, self.q_lens, n, r2t.shape[1],
-                               live=live, chains=self.drafter is not None)
+                               live=live, chains=self.drafter is not None,
+                               active=self.active if n > 1 else None)
         if self.drafter is not None:
             self.drafter.draft_next(self.rows, relay, self.count)
         self.outputs = (relay.accept_tokens, relay.accept_lens, relay.new_seq_lens)
@@ -301,12 +308,12 @@ class StepGraphs:
             r2t[:rows].copy_(lent)
 
     def greedy_step(self, tokens: torch.Tensor, tree_mask: torch.Tensor | None, rows: torch.Tensor,
-                    seq_lens: torch.Tensor, tree_size: int) -> OverlapRelay:
+                    seq_lens: torch.Tensor, tree_size: int, active: torch.Tensor | None = None) -> OverlapRelay:
         """Replay the greedy verify step of B requests (see :meth:`GreedyStep.load`); the relay
         it returns is a view valid until the next step of the same shape."""
         B = rows.shape[0]
         step, graph = self._step(self.bucket(B), tree_size)
-        step.load(tokens, tree_mask, rows, seq_lens)
+        step.load(tokens, tree_mask, rows, seq_lens, active)
         graph.replay()
         return step.result(B)
 

@@ -44,6 +44,9 @@ class ForwardBatch:
         chains: every tree is a chain (node i the child of node i - 1), so its nodes sit at the
             positions plain decoding gives them: the same attention as a causal extend.
         max_kv_len: host int >= max(kv_lens); None computes it once per forward (a host sync).
+        q_active: int64[B] or None: only request b's first ``q_active[b]`` queries attend (a verify
+            step's nodes worth verifying); the rows of the others are computed from a zero attention
+            output and mean nothing. None: every query attends.
         logits_index: int64[K] rows of N whose logits are returned; None returns all N.
     """
 
@@ -57,6 +60,7 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None
     chains: bool = False
     max_kv_len: int | None = None
+    q_active: torch.Tensor | None = None
     logits_index: torch.Tensor | None = None
 
 
@@ -252,7 +256,7 @@ class LlamaModel:
             # the same bits, several nodes a tile sharing every key read.
             tree_mask = None
         layout = be.attention_layout(batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens, N,
-                                     tree_mask, max_kv_len, self.batch_invariant)
+                                     tree_mask, max_kv_len, self.batch_invariant, batch.q_active)
         rope = kernels.rope(batch.positions)
         x = self.embed.rows(batch.input_ids)
         delta = None

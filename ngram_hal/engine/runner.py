@@ -115,7 +115,8 @@ class StepRunner:
                     and not any(r.params.logprobs for r in reqs))
         logprobs = None
         if captured:
-            result = self.graphs.greedy_step(trees.tokens, trees.mask, rows, relay.new_seq_lens, tree_size)
+            result = self.graphs.greedy_step(trees.tokens, trees.mask, rows, relay.new_seq_lens, tree_size,
+                                             trees.active)
         else:
             bound = max(r.seq_bound(self.sched.tree_size) for r in reqs)
             result, logprobs = self._verify(reqs, trees, rows, relay.new_seq_lens, bound + tree_size)
@@ -159,7 +160,7 @@ class StepRunner:
         q_lens = torch.full((B,), n, dtype=torch.int64, device=self.device)
         result, out = verify_step(self.backend, target, self.kv, self.sched.req_to_token,
                                   trees.tokens.contiguous().view(-1), trees.mask, rows, seq_lens, q_lens, n, max_kv_len,
-                                  chains=trees.chains)
+                                  chains=trees.chains, active=trees.active)
         logprobs = None
         if want_logprobs:
             node_lp = token_logprobs(kept[0], out.predicts)

@@ -9,6 +9,7 @@ log-probabilities or nothing is captured, with the captured forward where there 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,8 @@ from .model import ForwardBatch
 def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor], kv: KVCache,
                 req_to_token: torch.Tensor, tokens: torch.Tensor, tree_mask: torch.Tensor, rows: torch.Tensor,
                 seq_lens: torch.Tensor, q_lens: torch.Tensor, tree_size: int, max_kv_len: int,
-                live: torch.Tensor | None = None, chains: bool = False) -> tuple[OverlapRelay, VerifyOutput]:
+                live: torch.Tensor | None = None, chains: bool = False, active: torch.Tensor | None = None
+                ) -> tuple[OverlapRelay, VerifyOutput]:
     """Verify B trees of tree size ``tree_size`` (D): ``(relay, out)``.
 
     Args:
@@ -35,6 +37,9 @@ def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor]
         max_kv_len: host int bounding every ``seq_lens + D``.
         live: bool[B*D] or None; nodes of requests not live store no K/V (location -1).
         chains: every tree is a chain (:attr:`ForwardBatch.chains`).
+        active: int64[B] or None: each tree's nodes worth verifying (:attr:`Trees.active
+            <ngram_hal.speculative.sources.Trees.active>`): the forward's attention skips the
+            others and verification sees them as token -1, which no target token equals.
     """
     tree = prepare_tree(backend, tokens, tree_mask, seq_lens)
     locs = tree_cache_locs(backend, req_to_token, rows, seq_lens, tree_size)
@@ -43,6 +48,9 @@ def verify_step(backend: Backend, target: Callable[[ForwardBatch], torch.Tensor]
     batch = ForwardBatch(input_ids=tokens, positions=tree.positions, out_cache_loc=locs, req_to_token=req_to_token,
                          req_pool_indices=rows, kv_lens=seq_lens + tree_size, q_lens=q_lens,
                          tree_mask=tree_mask if tree_size > 1 else None, chains=chains, max_kv_len=max_kv_len,
-                         logits_index=None)
+                         q_active=active, logits_index=None)
+    if active is not None:
+        node = torch.arange(tree_size, dtype=torch.int64, device=tokens.device)
+        tree = replace(tree, candidates=torch.where(node < active.unsqueeze(1), tree.candidates, -1))
     out = verify_tokens(backend, tree, target(batch))
     return commit(backend, kv, out, locs, req_to_token, rows, seq_lens), out

@@ -163,12 +163,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 class Plan:
     """The blocks of one batch and the KV rows (int64[G, T]) each block reads, -1 where a block
     reads no key; :meth:`rows` maps those, and any slot outside the cache, to the cache's
-    scratch row, once per cache. ``invariant``: the blocks of a batch-invariant layout."""
+    scratch row, once per cache. ``invariant``: the blocks of a batch-invariant layout.
+    ``idle``: bool[N], the queries the layout's ``q_active`` leaves out (None: none)."""
 
-    def __init__(self, blocks: _Blocks, slots: torch.Tensor, invariant: bool = False):
+    def __init__(self, blocks: _Blocks, slots: torch.Tensor, invariant: bool = False,
+                 idle: torch.Tensor | None = None):
         self.blocks = blocks
         self.slots = slots
         self.invariant = invariant
+        self.idle = idle
         self._rows: tuple[int, torch.Tensor] | None = None
 
     def rows(self, scratch: int) -> torch.Tensor:
@@ -179,8 +182,9 @@ class Plan:
 
 def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
            q_lens: torch.Tensor, tree_mask: torch.Tensor | None, N: int, max_kv_len: int,
-           batch_invariant: bool = False) -> Plan | None:
+           batch_invariant: bool = False, q_active: torch.Tensor | None = None) -> Plan | None:
     """The blocks of one batch; None when there is nothing to attend to (no query, key or request).
+    The queries ``q_active`` leaves out are computed like the others, then zeroed.
 
     A block of a request whose ``req_pool_indices`` entry lies outside ``req_to_token`` reads no key.
     """
@@ -201,7 +205,16 @@ def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: 
     slots = req_to_token[:, :T].index_select(0, table_row.clamp(0, R - 1))
     if blocks.cols is not None:
         slots = torch.gather(slots, 1, blocks.cols.clamp(0, T - 1))
-    return Plan(blocks, torch.where(readable, slots, -1), batch_invariant)
+    return Plan(blocks, torch.where(readable, slots, -1), batch_invariant,
+                None if q_active is None else _idle(q_lens, q_active, N))
+
+
+def _idle(q_lens: torch.Tensor, q_active: torch.Tensor, N: int) -> torch.Tensor:
+    """bool[N]: query n is its request's ``i``-th with ``i >= q_active`` of that request."""
+    ends = torch.cumsum(q_lens.clamp(min=0), 0)
+    n = torch.arange(N, dtype=torch.int64, device=q_lens.device)
+    req = torch.searchsorted(ends, n, right=True).clamp(max=q_lens.shape[0] - 1)
+    return n - (ends - q_lens.clamp(min=0)).index_select(0, req) >= q_active.index_select(0, req)
 
 
 def in_place(q_pad: torch.Tensor, kv: KVCache, plan: Plan) -> bool:
@@ -255,6 +268,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
                 k, v = k.to(work), v.to(work)
             out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
     out = out_rows if dense else out_rows.index_select(0, blocks.flat)
+    if plan.idle is not None:
+        out = out.masked_fill(plan.idle[:, None, None], 0.0)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
@@ -264,7 +279,7 @@ class CpuAttentionOps:
 
     def _attention_layout(self, built: AttentionLayout) -> Plan:
         return layout(built.req_to_token, built.req_pool_indices, built.kv_lens, built.q_lens,
-                      built.tree_mask, built.num_queries, built.max_kv_len, built.batch_invariant)
+                      built.tree_mask, built.num_queries, built.max_kv_len, built.batch_invariant, built.q_active)
 
     def _attention(self, q, kv_cache, layer, built: AttentionLayout, sm_scale):
         return attention(q, kv_cache, layer, built.plan, sm_scale)

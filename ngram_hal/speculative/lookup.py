@@ -13,6 +13,13 @@ latest earlier occurrence, and the tokens that followed it, continued periodical
 copy reaches the end of the context; with no match the chain repeats the root (the padding rule).
 It sees only its own request's tokens, not a corpus shared across requests.
 
+Each chain also says how many of its nodes are worth verifying, its *active* nodes
+(:func:`active_nodes`, from the length of the match it continues): the root alone with no match,
+:data:`SHORT_CHAIN` nodes after a match of one token, every node otherwise. On the workload's check
+half a one-token match was followed by 0.49 accepted drafts on average, an eight-token one by 9.1
+(``docs/bench/cpu-policy-replay-check.json``). A verify step skips the attention of the other nodes
+(:meth:`ngram_hal.Backend.attention_layout`'s ``q_active``) and never accepts them.
+
 :func:`record_and_draft` is the plain-torch implementation (any device; the oracle of the Triton
 kernel in :mod:`ngram_hal.kernels.gpu.lookup`, which GPU backends with Triton model kernels use).
 """
@@ -26,11 +33,14 @@ from ..backend import Backend
 from ..contract import check_record_and_draft
 from .relay import OverlapRelay
 
+SHORT_CHAIN = 5
+"""The active nodes of a chain after a match of one token: the root and four drafts."""
+
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int, max_ngram: int,
-                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     match: torch.Tensor | None = None) -> torch.Tensor:
     """Record a step's committed tokens in ``table``, then draft a chain of ``tree_size`` nodes per request.
 
     Every tensor is int64 and contiguous on one device (checked by :func:`check_record_and_draft`);
@@ -49,11 +59,13 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
             padding (a captured step's), which records nothing and whose chains are unspecified.
             None: all B are real.
         out: int64[B*n] or None: where the chains go (None: a new tensor).
+        match: int64[B] or None: where the length of the suffix each chain continues goes (0: no
+            match).
     Returns:
         int64[B*n]: request b's chain at ``b*n``, its root first (``out`` where given).
     """
     B, W, stride, tree_size = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens,
-                                                     accept_lens, new_seq_lens, tree_size, live, out)
+                                                     accept_lens, new_seq_lens, tree_size, live, out, match)
     j = torch.arange(stride, dtype=torch.int64, device=table.device)
     last = new_seq_lens.clamp(max=W - 1).unsqueeze(1)
     committed = accept_tokens.view(B, stride)
@@ -88,7 +100,15 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
     copied = ctx.gather(1, (end + 1 + i % period).clamp(max=W - 1))
     chain = torch.where(found, copied, root)
     chains = torch.cat([root, chain], dim=1).view(-1)
+    if match is not None:
+        match.copy_(torch.where(found, best // W, 0).view(-1))
     return chains if out is None else out.copy_(chains)
+
+
+def active_nodes(match: torch.Tensor, tree_size: int) -> torch.Tensor:
+    """int64[B]: the active nodes of chains of ``tree_size`` (n) nodes continuing matches of
+    ``match`` int64[B] tokens: 1 with no match, ``min(n, SHORT_CHAIN)`` after one token, else n."""
+    return torch.where(match > 1, tree_size, torch.where(match == 1, min(tree_size, SHORT_CHAIN), 1))
 
 
 def chain_masks(batch_size: int, tree_size: int, device) -> torch.Tensor:
@@ -102,10 +122,10 @@ class DeviceDrafter:
 
     Two ways to draft. :meth:`draft` records a relay and drafts the chains of the step about to
     run. :meth:`draft_next` records a step's relay as part of that step (a captured step's graph
-    includes it) and drafts the *next* step's chains of ``tree_size`` into :attr:`next_chains`; if
-    the next step runs the same requests in the same order, it takes the first n nodes of each
-    (the first n nodes of a chain are the chain of n) with no launch of its own
-    (:meth:`chains_ahead`).
+    includes it) and drafts the *next* step's chains of ``tree_size`` into :attr:`next_chains`
+    (their active nodes into :attr:`next_active`); if the next step runs the same requests in the
+    same order, it takes the first n nodes of each (the first n nodes of a chain are the chain of
+    n) with no launch of its own (:meth:`chains_ahead`).
 
     Args:
         backend: runs the drafting (with its :meth:`~ngram_hal.backend.Backend.lookup_kernel`, or
@@ -132,6 +152,8 @@ class DeviceDrafter:
         self.device = backend.device
         self.table = torch.zeros((num_rows, width), dtype=torch.int64, device=self.device)
         self.next_chains = torch.zeros((num_rows, tree_size), dtype=torch.int64, device=self.device)
+        self.next_active = torch.full((num_rows,), tree_size, dtype=torch.int64, device=self.device)
+        self._match = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.kernel = backend.lookup_kernel() or record_and_draft
         self._chains: dict[int, torch.Tensor] = {}
 
@@ -154,7 +176,7 @@ class DeviceDrafter:
         index = rows.repeat_interleave(lens, output_size=N) * self.table.shape[1] + positions
         self.table.view(-1).index_copy_(0, index, tokens)
 
-    def draft(self, rows: torch.Tensor, relay: OverlapRelay, tree_size: int) -> torch.Tensor:
+    def draft(self, rows: torch.Tensor, relay: OverlapRelay, tree_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``relay``'s committed tokens and draft a chain of ``tree_size`` per request.
 
         Args:
@@ -162,13 +184,16 @@ class DeviceDrafter:
             relay: the last step's results of those requests (after a prefill: the first token).
             tree_size: n >= 1 (1 records only and returns the roots).
         Returns:
-            int64[B*n] on the device: each request's root, then n-1 drafted tokens.
+            ``(chains, active)`` on the device: int64[B*n], each request's root, then n-1 drafted
+            tokens; int64[B], each chain's active nodes (:func:`active_nodes`).
 
         The implementation checks the other arguments (:func:`check_record_and_draft`).
         """
         c.check_int("DeviceDrafter.draft", "tree_size", tree_size, minimum=1)
-        return self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, tree_size,
-                    self.max_ngram, self.min_ngram)
+        match = torch.empty(rows.shape[0], dtype=torch.int64, device=self.device)
+        chains = self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, tree_size,
+                             self.max_ngram, self.min_ngram, match=match)
+        return chains, active_nodes(match, tree_size)
 
     def draft_next(self, rows: torch.Tensor, relay: OverlapRelay, live: torch.Tensor | None = None) -> None:
         """Record ``relay``'s committed tokens and draft each request's next chain of D nodes into
@@ -185,15 +210,17 @@ class DeviceDrafter:
             raise c.ContractError("DeviceDrafter.draft_next", "rows",
                                   f"{B} requests exceed the {self.next_chains.shape[0]} rows of next_chains")
         self.kernel(self.table, rows, relay.accept_tokens, relay.accept_lens, relay.new_seq_lens, self.tree_size,
-             self.max_ngram, self.min_ngram, live, self.next_chains[:B].view(-1))
+                    self.max_ngram, self.min_ngram, live, self.next_chains[:B].view(-1), self._match[:B])
+        self.next_active[:B].copy_(active_nodes(self._match[:B], self.tree_size))
 
-    def chains_ahead(self, batch_size: int, tree_size: int) -> torch.Tensor:
-        """int64[B, n], a view: the first n nodes of the chains :meth:`draft_next` drafted for the
-        first B requests (valid while the next step runs the requests that step ran, in order)."""
+    def chains_ahead(self, batch_size: int, tree_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chains, active)``, views: int64[B, n], the first n nodes of the chains :meth:`draft_next`
+        drafted for the first B requests, and int64[B], their active nodes (those of the chains of D:
+        n or more means all n); valid while the next step runs the requests that step ran, in order."""
         if not 1 <= tree_size <= self.tree_size:
             raise c.ContractError("DeviceDrafter.chains_ahead", "tree_size",
                                   f"expected 1 to {self.tree_size}, got {tree_size}")
-        return self.next_chains[:batch_size, :tree_size]
+        return self.next_chains[:batch_size, :tree_size], self.next_active[:batch_size]
 
     def chain_masks(self, batch_size: int, tree_size: int) -> torch.Tensor:
         """bool[B, n, n]: the tree masks of B chains (node i the child of node i-1); cached."""

@@ -44,6 +44,9 @@ class Trees:
         guess: int64[B] or None: for a plain step, each request's first draft (drafted anyway,
             not run), to be scored against the token the step commits.
         chains: every tree is a chain (node i the child of node i - 1).
+        active: int64[B] or None: each tree's nodes worth verifying, its first ``active[b]`` (n or
+            more: all); the verify step skips the attention of the others and never accepts them.
+            None: every node.
     """
 
     tokens: torch.Tensor
@@ -52,6 +55,7 @@ class Trees:
     offered: list[int]
     guess: torch.Tensor | None = None
     chains: bool = False
+    active: torch.Tensor | None = None
 
 
 class DraftSource:
@@ -219,13 +223,15 @@ class DeviceDrafts(DraftSource):
         B = relay.batch_size
         width = 2 if tree_size == 1 and score_plain else tree_size
         if self._chains_for is relay:
-            chains = self.lookup.chains_ahead(B, width)
+            chains, active = self.lookup.chains_ahead(B, width)
         else:
-            chains = self.lookup.draft(rows, relay, width).view(B, width)
+            chains, active = self.lookup.draft(rows, relay, width)
+            chains = chains.view(B, width)
             self.launches += 1
         guess = chains[:, 1].clone() if width > tree_size else None
         return Trees(chains[:, :tree_size], self.lookup.chain_masks(B, tree_size), tree_size,
-                     [1 if guess is not None else tree_size - 1] * B, guess, chains=True)
+                     [1 if guess is not None else tree_size - 1] * B, guess, chains=True,
+                     active=active if tree_size > 1 else None)
 
     def stepped(self, rows, relay, captured: bool) -> None:
         if not captured:

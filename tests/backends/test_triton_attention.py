@@ -247,3 +247,32 @@ def test_merge_of_several_rows_skips_empty_splits_to_the_same_bits(name):
                            a["kv_lens"], a["q_lens"], a["sm_scale"], a["tree_mask"])
     atol, rtol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(results[0].cpu().double(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("mode", ["one-pass", "split-keys", "invariant-1", "invariant-40", "invariant-4096"])
+@pytest.mark.parametrize("prefix", [29, 300], ids=["one-split", "splits-before-the-tree"])
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "chain-as-extend"])
+def test_active_queries_keep_their_bits(tree, prefix, mode):
+    """A layout's ``q_active`` zeroes the rows of the queries it leaves out (tiles wholly past it walk
+    no key) and leaves the others' bits as they were, in every launch path: one pass, key splits and
+    their merge, and the batch-invariant mode's shared prefix, node paths and folds."""
+    parents = [-1, 0, 0, 1, 2, 1, 3, 4, 6, 7, 5, 8] if tree else list(range(-1, 11))
+    D = len(parents)
+    a = attention_call(random.Random(f"active-{prefix}"), DEVICE, torch.bfloat16, heads=(6, 2),
+                       kv_lens=[prefix + D, 40 + D, 7 + D], q_lens=[D] * 3, trees=[parents] * 3, extra_cols=8).args
+    if not tree:
+        a["tree_mask"] = None
+    invariant = mode.startswith("invariant")
+    backend = _backend(mode != "one-pass", int(mode.split("-")[1]) if invariant else None)
+    q_active = torch.tensor([0, 5, D + 3], device=DEVICE)
+
+    def run(active):
+        width = a["req_to_token"].shape[1] if invariant else a["max_kv_len"]
+        layout = backend.attention_layout(a["req_to_token"], a["req_pool_indices"], a["kv_lens"], a["q_lens"],
+                                          a["q"].shape[0], a["tree_mask"], width, invariant, active)
+        return backend.attention(**a, layout=layout)
+
+    full, got = run(None), run(q_active)
+    active = torch.cat([torch.arange(D, device=DEVICE) < k for k in q_active.tolist()])
+    assert bool((got[~active] == 0).all()), "a query past q_active has a nonzero row"
+    assert_invariant(got[active], full[active], "the active queries against the call without q_active")

@@ -12,6 +12,7 @@ import torch
 
 from ngram_hal.engine.graphs import GreedyStep, PaddedPrefill, prefill_bucket, prefill_lengths
 from ngram_hal.engine.model import ForwardBatch, LlamaModel
+from ngram_hal.engine.verify_step import verify_step
 from ngram_hal.reference import CpuBackend
 from ngram_hal.speculative.lookup import DeviceDrafter
 from ngram_hal.speculative.relay import OverlapRelay
@@ -109,7 +110,7 @@ def test_greedy_step_with_a_drafter_records_and_drafts_the_next_chains(tree_size
         d.add_prompts(rows, seq_lens, torch.tensor([t for p in PROMPTS for t in p]))
     # The prefill's first tokens: 7 after the first prompt (which holds "7 ..." to copy), 8 after the second.
     first = OverlapRelay(torch.tensor([7, 8]), torch.ones(2, dtype=I64), seq_lens, 1)
-    chains = separate.draft(rows, first, tree_size)
+    chains, _ = separate.draft(rows, first, tree_size)
     drafter.table.copy_(separate.table)
     before = drafter.table.clone()
 
@@ -127,7 +128,9 @@ def test_greedy_step_with_a_drafter_records_and_drafts_the_next_chains(tree_size
     for name in ("accept_tokens", "accept_lens", "new_seq_lens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     _assert_same_writes(kv, ref_kv, table, rows, seq_lens, tree_size)
-    assert torch.equal(drafter.chains_ahead(2, 4).reshape(-1), separate.draft(rows, got, 4))
+    want_chains, want_active = separate.draft(rows, got, 4)
+    assert torch.equal(drafter.chains_ahead(2, 4)[0].reshape(-1), want_chains)
+    assert torch.equal(drafter.chains_ahead(2, 4)[1], want_active)
     assert torch.equal(drafter.table, separate.table) and torch.equal(drafter.table[0], before[0])
 
 
@@ -212,3 +215,32 @@ def test_padded_prefill_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="requests .* do not fit"):
         step.load(torch.zeros(6, dtype=I64), torch.zeros(6, dtype=I64), torch.tensor([0, 1, 2]), [2, 2, 2],
                   torch.tensor)
+
+
+def test_nodes_past_active_are_never_accepted():
+    """A verify step with ``active`` commits no node at or past a tree's active count, even where
+    the node is the target's own next token, and commits what the step without it commits up to
+    there (the nodes before it attend as they did)."""
+    model = LlamaModel.random(TINY, CpuBackend(), seed=7)
+    kv, table, rows, seq_lens = _state(model)
+    n = 5
+    masks = DeviceDrafter(CpuBackend(), *table.shape, tree_size=n).chain_masks(2, n)
+    q_lens = torch.full((2,), n, dtype=I64)
+
+    def step(chains, active=None):
+        fresh = model.new_kv_cache(128)
+        fresh.k.copy_(kv.k)
+        fresh.v.copy_(kv.v)
+        return verify_step(model.backend, lambda batch: model.forward_argmax(batch, fresh), fresh, table.clone(),
+                           chains.view(-1), masks, rows, seq_lens, q_lens, n, table.shape[1], chains=True,
+                           active=active)
+
+    chains = torch.tensor([[7] + [0] * (n - 1), [8] + [0] * (n - 1)])
+    for i in range(1, n):  # the target's own continuation: every draft is accepted
+        chains[:, i] = step(chains)[1].predicts.view(2, n)[:, i - 1]
+    full, _ = step(chains)
+    assert full.accept_lens.tolist() == [n, n]
+    cut, _ = step(chains, torch.tensor([2, n + 3]))
+    assert cut.accept_lens.tolist() == [2, n]
+    assert torch.equal(cut.accept_tokens.view(2, n)[0, :2], full.accept_tokens.view(2, n)[0, :2])
+    assert torch.equal(cut.accept_tokens.view(2, n)[1], full.accept_tokens.view(2, n)[1])

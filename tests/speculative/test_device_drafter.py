@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ngram_hal.contract import ContractError
 from ngram_hal.reference import CpuBackend
 from ngram_hal.speculative.drafter import LinearDrafter
-from ngram_hal.speculative.lookup import DeviceDrafter, record_and_draft
+from ngram_hal.speculative.lookup import DeviceDrafter, active_nodes, record_and_draft
 from ngram_hal.speculative.relay import OverlapRelay
 
 STRIDE = 8
@@ -62,10 +62,14 @@ def test_drafts_equal_the_linear_drafter(prompts, steps, tree_size, max_ngram, m
                 host.extend(b, run)
                 contexts[b] += run
             relay = _relay(runs, [len(c) - 1 for c in contexts])
-        got = device.draft(rows, relay, tree_size).view(B, tree_size)
+        got, active = device.draft(rows, relay, tree_size)
+        got = got.view(B, tree_size)
         assert got.tolist() == host.draft(list(range(B)), tree_size).tokens.view(B, tree_size).tolist()
+        matches = torch.tensor(host.match_lengths(list(range(B))))
+        assert torch.equal(active, active_nodes(matches, tree_size))
         ahead.draft_next(rows, relay)
-        assert torch.equal(ahead.chains_ahead(B, tree_size), got)
+        assert torch.equal(ahead.chains_ahead(B, tree_size)[0], got)
+        assert torch.equal(ahead.chains_ahead(B, tree_size)[1].clamp(max=tree_size), active)  # n or more: all n
         assert torch.equal(ahead.table, device.table)
         for b, context in enumerate(contexts):
             assert device.table[rows[b], :len(context)].tolist() == context
@@ -76,8 +80,18 @@ def test_no_match_repeats_the_root_and_short_matches_pad():
     device = DeviceDrafter(CpuBackend(), num_rows=1, width=16, max_ngram=4, min_ngram=2)
     device.add_prompts(torch.tensor([0]), torch.tensor([4]), torch.tensor([1, 2, 3, 9]))
     rows = torch.tensor([0])
-    assert device.draft(rows, _relay([[3]], [4]), 3).tolist() == [3, 3, 3]  # only "3" matched
-    assert device.draft(rows, _relay([[9]], [5]), 3).tolist() == [9, 3, 9]  # "3 9": copy, then repeat
+    chains, active = device.draft(rows, _relay([[3]], [4]), 3)
+    assert chains.tolist() == [3, 3, 3] and active.tolist() == [1]  # only "3" matched: the root alone
+    chains, active = device.draft(rows, _relay([[9]], [5]), 3)
+    assert chains.tolist() == [9, 3, 9] and active.tolist() == [3]  # "3 9": copy, then repeat
+
+
+def test_active_nodes_follow_the_match():
+    """The root alone with no match, SHORT_CHAIN nodes after one matched token, all n after more."""
+    from ngram_hal.speculative.lookup import SHORT_CHAIN
+    match = torch.tensor([0, 1, 2, 8])
+    assert active_nodes(match, 16).tolist() == [1, SHORT_CHAIN, 16, 16]
+    assert active_nodes(match, 3).tolist() == [1, 3, 3, 3]
 
 
 def test_chain_masks_are_chains():
@@ -130,11 +144,12 @@ def test_triton_kernel_matches_torch(case):
         seq_lens = torch.maximum(torch.randint(0, W, (B,), generator=gen), lens - 1)
         seq_lens[0] = W - 1 if trial == 0 else seq_lens[0]  # the root on the table's last position
         tokens = torch.randint(0, vocab, (B * S,), generator=gen)
-        mine = table.clone()
-        want = record_and_draft(mine, rows, tokens, lens, seq_lens, n, K, 1)
-        theirs = table.to(DEVICE)
-        got = kernel(theirs, *(t.to(DEVICE) for t in (rows, tokens, lens, seq_lens)), n, K, 1)
+        mine, want_match = table.clone(), torch.full((B,), -1)
+        want = record_and_draft(mine, rows, tokens, lens, seq_lens, n, K, 1, match=want_match)
+        theirs, match = table.to(DEVICE), torch.full((B,), -1, device=DEVICE)
+        got = kernel(theirs, *(t.to(DEVICE) for t in (rows, tokens, lens, seq_lens)), n, K, 1, match=match)
         assert torch.equal(got.cpu(), want) and torch.equal(theirs.cpu(), mine)
+        assert torch.equal(match.cpu(), want_match) and bool((want_match >= 0).all() & (want_match <= K).all())
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=str)

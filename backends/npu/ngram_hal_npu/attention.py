@@ -3,7 +3,7 @@
 The layout (built once per forward, shared by every layer) holds, for the batch's B requests and
 T = ``max_kv_len`` key positions, the slot of each request's position t and, for each of the N
 queries, its request and which of the T positions it sees (causal, or the tree mask inside the
-block of new positions). A layer then gathers the B x T key and value rows once (int32 row
+block of new positions; none for the queries the layout's ``q_active`` leaves out). A layer then gathers the B x T key and value rows once (int32 row
 indices, slots outside the cache read the scratch row), hands each query its request's rows and
 runs two batched matrix products with a float32 softmax between them, in chunks of queries that
 keep the gathered rows within :data:`CHUNK_BYTES`.
@@ -77,6 +77,9 @@ def layout(layout: AttentionLayout) -> Plan:
         queries = torch.arange(N, dtype=torch.int64, device=device).unsqueeze(1) * D
         in_tree = take(op, "tree_mask", node_mask.reshape(-1), queries + rel.clamp(0, max(D - 1, 0)))
         visible = seen & ((rel < 0) | (in_block & in_tree))
+    if layout.q_active is not None:
+        # The queries q_active leaves out see no key: zero rows.
+        visible = visible & (row < take(op, "q_active", layout.q_active, query_req)).unsqueeze(1)
     return Plan(slots, query_req, visible)
 
 

@@ -18,9 +18,9 @@ SCAN_BLOCK = 512
 
 
 @triton.jit(do_not_specialize=["W", "stride", "n"])
-def lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, live_ptr, out_ptr, W, stride, n,
-                   MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIVE: tl.constexpr):
+def lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, live_ptr, out_ptr, match_ptr, W, stride,
+                  n, MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_MATCH: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     base = table_ptr + tl.load(rows_ptr + b) * W
     count = tl.load(lens_ptr + b)
@@ -54,22 +54,24 @@ def lookup_kernel(table_ptr, rows_ptr, tokens_ptr, lens_ptr, seq_lens_ptr, live_
     src = tl.minimum(end + 1 + (i - 1) % period, W - 1)
     chain = tl.load(base + src, mask=copy, other=0)
     tl.store(out_ptr + b * n + i, tl.where(copy, chain, root), mask=i < n)
+    if HAS_MATCH:
+        tl.store(match_ptr + b, tl.where(best >= 0, best // W, 0))
 
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int, max_ngram: int,
-                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     min_ngram: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     match: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton implementation of :func:`ngram_hal.speculative.lookup.record_and_draft` (same
     arguments, checks and result)."""
     B, W, stride, n = check_record_and_draft("lookup.record_and_draft", table, rows, accept_tokens, accept_lens,
-                                             new_seq_lens, tree_size, live, out)
+                                             new_seq_lens, tree_size, live, out, match)
     if out is None:
         out = torch.empty(B * n, dtype=torch.int64, device=table.device)
     if B:
         lookup_kernel[(B,)](table, rows, accept_tokens, accept_lens, new_seq_lens, out if live is None else live,
-                             out, W, stride, n, MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK,
-                             BLOCK_S=max(16, triton.next_power_of_2(stride)),
-                             BLOCK_N=max(16, triton.next_power_of_2(n)), HAS_LIVE=live is not None,
-                             num_warps=4)
+                            out, out if match is None else match, W, stride, n, MAX_NGRAM=max_ngram,
+                            MIN_NGRAM=min_ngram, BLOCK=SCAN_BLOCK, BLOCK_S=max(16, triton.next_power_of_2(stride)),
+                            BLOCK_N=max(16, triton.next_power_of_2(n)), HAS_LIVE=live is not None,
+                            HAS_MATCH=match is not None, num_warps=4)
     return out

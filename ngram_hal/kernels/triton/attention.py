@@ -34,6 +34,10 @@ in and those after it.
 Triton's interpreter computes a bfloat16 ``tl.dot`` wrongly, so there (and only there) bfloat16
 operands are widened to float32 before each product.
 
+A layout's ``q_active`` leaves a request's queries from that count on out: their rows see no key
+(zero output), and a tile of them walks none, so a verify step's nodes past a short draft cost
+little more than the launch.
+
 Robustness: keys whose slot lies outside the cache, positions past a request's ``kv_lens`` or the
 table's width, and requests whose pool row is out of range are masked, never read.
 """
@@ -77,13 +81,13 @@ def fold_split(run_m, run_w, run_o, lse, o):
 @triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk", "SPLITS"])
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr,
-    req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr,
+    req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr, active_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk, SPLITS,
     Hq: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, TREE_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, EVEN: tl.constexpr, PATH: tl.constexpr, PART: tl.constexpr, FOLD: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    ACTIVE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     tile = tl.program_id(0)
@@ -121,6 +125,13 @@ def attention_kernel(
             kv_end = kv_len
         else:
             kv_end = tl.minimum(kv_len, prefix + q0 + BLOCK_Q)
+        # ACTIVE: the request's queries from active_ptr[b] on see no key (zero rows); a tile of
+        # them walks no key at all.
+        row_sees = row_ok
+        if ACTIVE:
+            active = tl.load(active_ptr + b)
+            row_sees = row_ok & (qi < active)
+            kv_end = tl.where(q0 < active, kv_end, 0)
         span = chunk.to(tl.int64)
         if EVEN:
             # The request's own keys shared evenly by the splits (whole key blocks, at least
@@ -192,7 +203,7 @@ def attention_kernel(
                         visible = (rel < 0) | (in_tree & (seen != 0))
                     else:
                         visible = rel <= qi[:, None]
-                    visible = visible & key_ok[None, :] & row_ok[:, None]
+                    visible = visible & key_ok[None, :] & row_sees[:, None]
                     qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(qk, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -421,12 +432,13 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         attention_kernel[(tiles.req.shape[0], H, programs)](
             q, k_layer, v_layer, out, mid_o, mid_lse, fold_m, fold_w, fold_o,
             layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
+            plan.q_lens if layout.q_active is None else layout.q_active,
             tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
             B, layout.req_to_token.shape[0], layout.req_to_token.shape[1], kv.num_slots, N,
             k_layer.stride(0), sm_scale * _LOG2E, chunk, splits,
             Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part, FOLD=fold,
-            IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            ACTIVE=layout.q_active is not None, IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
             **pdl_keywords(cfg.pdl), **cfg.options())
 

@@ -3,7 +3,7 @@
 The greedy verify step (``GreedyStep``), padded to a larger batch, commits what the op-by-op step
 commits for the real requests; the prefill of several requests (``PaddedPrefill``), padded to
 more requests and tokens, gives the unpadded forward's logits and K/V. Both leave every other slot of the cache as
-it was."""
+it was. A verify step never accepts a node past its tree's active count."""
 
 from __future__ import annotations
 

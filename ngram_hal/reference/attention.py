@@ -205,16 +205,12 @@ def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: 
     slots = req_to_token[:, :T].index_select(0, table_row.clamp(0, R - 1))
     if blocks.cols is not None:
         slots = torch.gather(slots, 1, blocks.cols.clamp(0, T - 1))
-    return Plan(blocks, torch.where(readable, slots, -1), batch_invariant,
-                None if q_active is None else _idle(q_lens, q_active, N))
-
-
-def _idle(q_lens: torch.Tensor, q_active: torch.Tensor, N: int) -> torch.Tensor:
-    """bool[N]: query n is its request's ``i``-th with ``i >= q_active`` of that request."""
-    ends = torch.cumsum(q_lens.clamp(min=0), 0)
-    n = torch.arange(N, dtype=torch.int64, device=q_lens.device)
-    req = torch.searchsorted(ends, n, right=True).clamp(max=q_lens.shape[0] - 1)
-    return n - (ends - q_lens.clamp(min=0)).index_select(0, req) >= q_active.index_select(0, req)
+    idle = None
+    if q_active is not None:
+        # A query's place in its request against the request's count; queries of no request read as zeros anyway.
+        flat = flatten(q_lens, N)
+        idle = flat.offset >= flat.per_run(q_active)
+    return Plan(blocks, torch.where(readable, slots, -1), batch_invariant, idle)
 
 
 def in_place(q_pad: torch.Tensor, kv: KVCache, plan: Plan) -> bool:

@@ -1,16 +1,16 @@
 """A verify step's attention with every node active against the device drafter's active nodes.
 
 The device drafter marks how many nodes of each chain a verify step checks (its *active* nodes,
-:func:`ngram_hal.speculative.lookup.active_nodes`): the root alone with no match, five after a
-one-token match, every node after a longer one. The attention layout's ``q_active`` leaves the
+:func:`ngram_hal.speculative.lookup.active_nodes`): the root alone with no match, every node
+after a match. The attention layout's ``q_active`` leaves the
 others out, so their tiles walk no key. This times one layer's attention of chains of 16 nodes,
 SmolLM2-135M heads (9 query, 3 KV, 64 wide), bf16, keys bounded by 2,048 positions, contexts of
 300-900 keys, graph-replayed device time of the kernels alone, three ways on the same call:
 
 - **all active**: ``q_active`` None (every node, as before it existed);
-- **workload mix**: each request's active nodes drawn from the share of positions after no match
-  (24 %), a one-token match (25 %) and a longer one (51 %) on the workload's check half
-  (``docs/bench/cpu-policy-replay-check.json``);
+- **workload mix**: each request's match length drawn from the device drafter's shares of
+  positions on the workload's check half (no match 31 %, one token 41 %, longer 28 %;
+  ``bench/bench_active_replay.py``), its active nodes from :func:`active_nodes`;
 - **no match anywhere**: every request at its root alone (the floor: an open-ended batch).
 
 The default mode and the batch-invariant mode, at batch 1, 16 and 64. The active rows must equal
@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
 
 from ngram_hal.kernels.triton import interpreting  # noqa: E402
-from ngram_hal.speculative.lookup import SHORT_CHAIN  # noqa: E402
+from ngram_hal.speculative.lookup import active_nodes  # noqa: E402
 from ngram_hal_conformance.test_attention import attention_call  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
-MIX = ((1, 0.24), (SHORT_CHAIN, 0.25), (None, 0.51))
-"""(active nodes, share of positions): no match, a one-token match, longer (None: every node)."""
+MIX = ((0, 0.31), (1, 0.41), (2, 0.28))
+"""(match length, share of positions): no match, one token, longer."""
 SETTINGS = ("all active", "workload mix", "no match anywhere")
 
 
@@ -49,8 +49,8 @@ def active_counts(rng: random.Random, batch: int, tree_size: int, setting: str) 
         return None
     if setting == "no match anywhere":
         return [1] * batch
-    counts, shares = zip(*MIX)
-    return [tree_size if n is None else n for n in rng.choices(counts, weights=shares, k=batch)]
+    lengths, shares = zip(*MIX)
+    return active_nodes(torch.tensor(rng.choices(lengths, weights=shares, k=batch)), tree_size).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     report = {**report_header("ngram-hal/bench-attention-active/1", backend), "width": width,
               "contexts": list(contexts), "dtype": str(dtype).removeprefix("torch."),
-              "mix": [{"active_nodes": k, "share": s} for k, s in MIX], "results": results}
+              "mix": [{"match_length": m, "share": s} for m, s in MIX], "results": results}
     write_report(args.json, report, console)
     return 0
 

@@ -14,11 +14,13 @@ copy reaches the end of the context; with no match the chain repeats the root (t
 It sees only its own request's tokens, not a corpus shared across requests.
 
 Each chain also says how many of its nodes are worth verifying, its *active* nodes
-(:func:`active_nodes`, from the length of the match it continues): the root alone with no match,
-:data:`SHORT_CHAIN` nodes after a match of one token, every node otherwise. On the workload's check
-half a one-token match was followed by 0.49 accepted drafts on average, an eight-token one by 9.1
-(``docs/bench/cpu-policy-replay-check.json``). A verify step skips the attention of the other nodes
-(:meth:`ngram_hal.Backend.attention_layout`'s ``q_active``) and never accepts them.
+(:func:`active_nodes`, from the length of the match it continues): the root alone with no match
+(the chain only repeats the root), every node after a match. On the workload's check half 31 % of
+positions follow no match and none of their drafts was accepted; a one-token match (41 %) was
+followed by 0.68 accepted drafts on average, and cutting its chain to five nodes costs 1.5 % of the
+tokens per verify step (``bench/bench_active_replay.py``, ``docs/bench/h100-active/``). A verify
+step skips the attention of the other nodes (:meth:`ngram_hal.Backend.attention_layout`'s
+``q_active``) and never accepts them.
 
 :func:`record_and_draft` is the plain-torch implementation (any device; the oracle of the Triton
 kernel in :mod:`ngram_hal.kernels.gpu.lookup`, which GPU backends with Triton model kernels use).
@@ -32,10 +34,6 @@ from .. import contract as c
 from ..backend import Backend
 from ..contract import check_record_and_draft
 from .relay import OverlapRelay
-
-SHORT_CHAIN = 5
-"""The active nodes of a chain after a match of one token: the root and four drafts."""
-
 
 def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: torch.Tensor,
                      accept_lens: torch.Tensor, new_seq_lens: torch.Tensor, tree_size: int, max_ngram: int,
@@ -107,8 +105,8 @@ def record_and_draft(table: torch.Tensor, rows: torch.Tensor, accept_tokens: tor
 
 def active_nodes(match: torch.Tensor, tree_size: int) -> torch.Tensor:
     """int64[B]: the active nodes of chains of ``tree_size`` (n) nodes continuing matches of
-    ``match`` int64[B] tokens: 1 with no match, ``min(n, SHORT_CHAIN)`` after one token, else n."""
-    return torch.where(match > 1, tree_size, torch.where(match == 1, min(tree_size, SHORT_CHAIN), 1))
+    ``match`` int64[B] tokens: 1 with no match, n after a match of any length."""
+    return torch.where(match > 0, tree_size, 1)
 
 
 def chain_masks(batch_size: int, tree_size: int, device) -> torch.Tensor:

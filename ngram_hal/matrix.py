@@ -129,9 +129,12 @@ class Matrix:
 
 
 def _labels(reports: list[ConformanceReport]) -> list[str]:
+    """A label per report: backend, ``(proxy)``, ``under`` its sanitizer; where two share that, the
+    hardware's name in brackets (the device where a report has none), then ``#n`` where still equal."""
     base = [r.backend + (" (proxy)" if r.proxy else "") + (f" under {r.sanitizer.tool}" if r.sanitizer else "")
             for r in reports]
-    labels = [b if base.count(b) == 1 else f"{b} [{r.device}]" for b, r in zip(base, reports, strict=True)]
+    labels = [b if base.count(b) == 1 else f"{b} [{r.device_name or r.device}]"
+              for b, r in zip(base, reports, strict=True)]
     seen: Counter = Counter()
     out = []
     for label in labels:

@@ -102,20 +102,41 @@ def get_backend(name: str = "auto", strict: bool | None = None, device=None,
         if reason:
             raise RuntimeError(f"backend '{name}' is {reason}")
         return cls(device=device, strict=strict)
-    names, passed_over = set(_entry_points()), []
+    passed_over = []
+    for candidate, cls, reason in _auto_candidates(require):
+        if cls is not None:
+            return cls(device=device, strict=strict)
+        passed_over.append(f"{candidate}: {reason}")
+    raise RuntimeError("no backend is available" + (f" ({'; '.join(passed_over)})" if passed_over else ""))
+
+
+def passed_over(name: str, require: Sequence[str] = ()) -> list[str]:
+    """Why auto-selection passed over each backend before ``name`` (``"cuda: not registered (no
+    installed package declares it)"``, ...), in :data:`AUTO_ORDER`."""
+    reasons = []
+    for candidate, cls, reason in _auto_candidates(require, unregistered=True):
+        if candidate == name:
+            break
+        reasons.append(f"{candidate}: {reason}")
+    return reasons
+
+
+def _auto_candidates(require: Sequence[str], unregistered: bool = False):
+    """``(name, class or None, why not)`` for each backend of :data:`AUTO_ORDER` that is registered
+    (every one with ``unregistered``), the class where it loads, is available and has ``require``."""
+    names = set(_entry_points())
     for candidate in AUTO_ORDER:
         if candidate not in names:
+            if unregistered:
+                yield candidate, None, "not registered (no installed package declares it)"
             continue
         try:
             cls = backend_class(candidate)
         except Exception as exc:  # a broken plugin is passed over, never fatal to auto-selection
-            passed_over.append(f"{candidate}: failed to load: {type(exc).__name__}: {exc}")
+            yield candidate, None, f"failed to load: {type(exc).__name__}: {exc}"
             continue
         reason = _unusable(cls, require)
-        if not reason:
-            return cls(device=device, strict=strict)
-        passed_over.append(f"{candidate}: {reason}")
-    raise RuntimeError("no backend is available" + (f" ({'; '.join(passed_over)})" if passed_over else ""))
+        yield candidate, None if reason else cls, reason
 
 
 def _unusable(cls: type[Backend], require: Sequence[str]) -> str:

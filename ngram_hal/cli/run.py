@@ -32,7 +32,7 @@ from ..model_kernels import default_dtype
 from . import parallel
 from .common import CommandError, check_destination, error_line, write_output
 from ..options import FRACTION, POSITIVE_INT, field_type
-from ..registry import ENV_BACKEND, backend_class, get_backend
+from ..registry import ENV_BACKEND, backend_class, get_backend, passed_over
 from ..engine.engine import EngineConfig
 from ..engine.config import LlamaConfig
 from ..engine.gguf_loader import find_model_file, read_model_config
@@ -281,6 +281,15 @@ def make_backend(args: argparse.Namespace):
     return backend
 
 
+def reference_note(args: argparse.Namespace, backend) -> str | None:
+    """A note where ``--backend auto`` fell to the ``cpu`` reference on a device that is not the
+    CPU (its torch ops run there, at the reference's speed): why each vendor backend was passed over."""
+    if args.backend != "auto" or os.environ.get(ENV_BACKEND) or backend.name != "cpu" or backend.device.type == "cpu":
+        return None
+    return (f"the cpu reference backend runs on {backend.device}, at the reference's speed; passed over: "
+            + "; ".join(passed_over("cpu", OPS)))
+
+
 def shape_option(args: argparse.Namespace) -> tuple[str, LlamaConfig] | None:
     """``(name, config)`` of ``--shape``, or None without it; a :class:`CommandError` naming a bad one."""
     spec = getattr(args, "shape", None)
@@ -406,6 +415,7 @@ class Setup:
         self.path = path = model_file(args)
         self.shape = shape_option(args)
         self.backend = make_backend(args)
+        self.backend_note = reference_note(args, self.backend)
         if getattr(args, "drafter", None) is None:
             args.drafter = default_drafter(self.backend)
         if getattr(args, "tree_size", 0) is None:
@@ -443,6 +453,8 @@ class Setup:
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
                      f"{self.dtype}{', batch-invariant' if self.model.batch_invariant else ''}, "
                      f"{threads} thread{'s' if threads > 1 else ''}")
+        if self.backend_note:
+            status.print(f"note: {self.backend_note}")
         if self.world > 1:
             status.print(f"tensor parallel: {self.world} ranks over {self.backend.collective_backend()}, rank 0 prints")
         if note:

@@ -10,7 +10,8 @@ import torch
 
 from ngram_hal.cli import main
 from ngram_hal.cli import CommandError
-from ngram_hal.cli.run import DEFAULT_NUM_SLOTS, busy_note, choose_threads, kv_cache_slots, summary_line
+from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, busy_note, choose_threads, kv_cache_slots, reference_note,
+                               summary_line)
 from ngram_hal.engine.shapes import PRESETS, kv_bytes, parameter_bytes
 from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.workload import (PromptSpec, RequestRecord, RunResult, RunTotals, bundled_prompts,
@@ -56,6 +57,25 @@ def test_threads_follow_the_load_average():
     assert choose_threads(2, 2, 2, 9.0) == (2, None)
     assert busy_note(1.9, 2) is None
     assert busy_note(2.5, 2) == "note: busy machine (load average 2.5 on 2 cores): timings are unreliable"
+
+
+def test_the_reference_on_another_device_is_named_with_what_was_passed_over(monkeypatch):
+    """``--backend auto`` that falls to the cpu reference on a device other than the CPU says so
+    (a user missing the vendor package would otherwise see reference speed and no reason)."""
+    import argparse
+
+    from ngram_hal.reference import CpuBackend
+    from ngram_hal.registry import ENV_BACKEND
+
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    auto, named = argparse.Namespace(backend="auto"), argparse.Namespace(backend="cpu")
+    note = reference_note(auto, CpuBackend(device="meta"))
+    assert note.startswith("the cpu reference backend runs on meta, at the reference's speed; passed over: npu: ")
+    assert "cuda: " in note
+    assert reference_note(auto, CpuBackend()) is None
+    assert reference_note(named, CpuBackend(device="meta")) is None
+    monkeypatch.setenv(ENV_BACKEND, "cpu")
+    assert reference_note(auto, CpuBackend(device="meta")) is None
 
 
 def result(tokens: list[list[int]], wall: float, steps: int) -> RunResult:

@@ -187,6 +187,11 @@ def test_duplicate_backends_get_distinct_labels():
                                                             device=device, proxy=True)) for outcome, device in runs)
     labels = [col.label for col in matrix.build_matrix([a, b, c]).columns]
     assert labels == ["rocm (proxy) [cpu]", "rocm (proxy) [cuda:0] #1", "rocm (proxy) [cuda:0] #2"]
+    h100, h200 = ({**make_report("cuda", [("t", "move_kv", "semantics", "passed")], device="cuda"), "device_name": name}
+                  for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    reports = [ConformanceReport.model_validate(r) for r in (h100, h200)]
+    assert [col.label for col in matrix.build_matrix(reports).columns] == ["cuda [NVIDIA H100 80GB HBM3]",
+                                                                           "cuda [NVIDIA H200]"]
 
 
 def test_rejects_what_is_not_a_report(tmp_path):

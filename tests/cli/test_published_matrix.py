@@ -55,8 +55,9 @@ def test_a_new_report_joins_the_matrix_by_make_docs_matrix(tmp_path):
     for path in REPORTS:
         (tmp_path / path.name).write_bytes(path.read_bytes())
     cuda = json.loads((PUBLISHED / "cpu-x86_64.json").read_text())
-    cuda.update(backend="cuda", device="cuda:0", proxy=False)
-    (tmp_path / "cuda-h200.json").write_text(json.dumps(cuda))
+    cuda.update(backend="cuda", device="cuda:0", device_name="New GPU", proxy=False)
+    cuda["hardware"]["name"] = "New GPU"
+    (tmp_path / "cuda-newgpu.json").write_text(json.dumps(cuda))
     merged = matrix.merge_files(sorted(tmp_path.glob("*.json")))
     columns, headers = [c.label for c in merged.columns], [matrix.column_header(c) for c in merged.columns]
     # -o: use the environment as it is, never reinstall it from a test.
@@ -66,7 +67,7 @@ def test_a_new_report_joins_the_matrix_by_make_docs_matrix(tmp_path):
     table = (tmp_path / "matrix.md").read_text(encoding="utf-8")
     header = next(line for line in table.splitlines() if line.startswith("| tier |"))
     assert header == "| tier | op | test | " + " | ".join(headers) + " |"
-    assert "cuda" in columns
-    hardware = matrix.hardware_text(matrix.load_report(tmp_path / "cuda-h200.json"))
-    assert f"| cuda | cuda:0 | {hardware} | no |" in table
-    assert "<th>cuda<br>" in (tmp_path / "matrix.html").read_text(encoding="utf-8")
+    assert "cuda [New GPU]" in columns
+    hardware = matrix.hardware_text(matrix.load_report(tmp_path / "cuda-newgpu.json"))
+    assert hardware.startswith("New GPU") and f"| cuda [New GPU] | cuda:0 | {hardware} | no |" in table
+    assert "<th>cuda [New GPU]<br>" in (tmp_path / "matrix.html").read_text(encoding="utf-8")

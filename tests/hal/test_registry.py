@@ -202,3 +202,17 @@ def test_auto_passes_over_backends_lacking_required_ops_and_broken_plugins(plugi
     eps.pop("cpu")
     with pytest.raises(RuntimeError, match=r"npu: failed to load.*cuda: lacking required ops"):
         registry.get_backend("auto", require=OPS)
+
+
+def test_passed_over_names_every_backend_before_the_one_chosen(plugins, monkeypatch):
+    """Why auto-selection skipped each backend ahead of ``name``: unregistered ones included, the
+    chosen one and those after it left out."""
+    eps = {"npu": metadata.EntryPoint("npu", "ngram_hal_no_such_module:Backend", registry.GROUP),
+           "cuda": metadata.EntryPoint("cuda", f"{PLUGIN_MODULE}:FakeCuda", registry.GROUP),
+           "cpu": metadata.EntryPoint("cpu", "ngram_hal.reference:CpuBackend", registry.GROUP)}
+    monkeypatch.setattr(registry, "_entry_points", lambda: dict(eps))
+    monkeypatch.setenv("FAKE_AVAILABLE", "")
+    reasons = registry.passed_over("cpu", OPS)
+    assert [r.split(":")[0] for r in reasons] == ["npu", "rocm", "cuda"]
+    assert "failed to load" in reasons[0] and "not registered" in reasons[1] and "cuda switched off" in reasons[2]
+    assert [r.split(":")[0] for r in registry.passed_over("cuda", OPS)] == ["npu", "rocm"]

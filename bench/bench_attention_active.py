@@ -2,10 +2,10 @@
 
 The device drafter marks how many nodes of each chain a verify step checks (its *active* nodes,
 :func:`ngram_hal.speculative.lookup.active_nodes`): the root alone with no match, every node
-after a match. The attention layout's ``q_active`` leaves the
-others out, so their tiles walk no key. This times one layer's attention of chains of 16 nodes,
-SmolLM2-135M heads (9 query, 3 KV, 64 wide), bf16, keys bounded by 2,048 positions, contexts of
-300-900 keys, graph-replayed device time of the kernels alone, three ways on the same call:
+after a match. The attention layout's ``q_active`` leaves the others out, so their tiles walk no
+key. This times one layer's attention of chains of 16 nodes, SmolLM2-135M heads (9 query, 3 KV,
+64 wide), bf16, keys bounded by 2,048 positions, contexts of 300-900 keys, graph-replayed device
+time of the kernels alone, three ways on the same call:
 
 - **all active**: ``q_active`` None (every node, as before it existed);
 - **workload mix**: each request's match length drawn from the device drafter's shares of

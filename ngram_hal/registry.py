@@ -102,12 +102,12 @@ def get_backend(name: str = "auto", strict: bool | None = None, device=None,
         if reason:
             raise RuntimeError(f"backend '{name}' is {reason}")
         return cls(device=device, strict=strict)
-    passed_over = []
+    skipped = []
     for candidate, cls, reason in _auto_candidates(require):
         if cls is not None:
             return cls(device=device, strict=strict)
-        passed_over.append(f"{candidate}: {reason}")
-    raise RuntimeError("no backend is available" + (f" ({'; '.join(passed_over)})" if passed_over else ""))
+        skipped.append(f"{candidate}: {reason}")
+    raise RuntimeError("no backend is available" + (f" ({'; '.join(skipped)})" if skipped else ""))
 
 
 def passed_over(name: str, require: Sequence[str] = ()) -> list[str]:

@@ -149,14 +149,23 @@ def load_outputs(report_path: Path, prompts_path: Path | None, tokenizer: Tokeni
     return outputs[:limit]
 
 
+def at_least(low: int):
+    """An argparse type: an int of at least ``low``."""
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an int of at least {low}")
+        return int(text)
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outputs", type=Path, required=True, help="a bench_engine report with a plain run")
     parser.add_argument("--prompts", type=Path, default=Path("bench/data/workload-check.jsonl"))
     parser.add_argument("--model", default=None, help="the GGUF file whose tokenizer encodes the prompts")
-    parser.add_argument("--tree-size", type=int, default=16)
+    parser.add_argument("--tree-size", type=at_least(2), default=16)
     parser.add_argument("--rules", default="1/5,1/8", help="NONE/ONE pairs beside every node and active_nodes")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first requests")
+    parser.add_argument("--limit", type=at_least(1), default=None, help="replay only the first requests")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -164,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         rules = {"n/n": parse_rule("n/n"), DEFAULT_RULE: library_rule}
         rules.update({text: parse_rule(text) for text in args.rules.split(",") if text})
         outputs = load_outputs(args.outputs, args.prompts, Tokenizer.from_gguf(args.model), args.limit)
+        if not any(len(out) > 1 for _, _, out in outputs):
+            raise ValueError(f"--outputs {args.outputs}: no request has two output tokens or more to replay")
     except ValueError as exc:
         parser.error(str(exc))
     pairs = [(prompt, out) for _, prompt, out in outputs]

@@ -61,7 +61,7 @@ def test_rule_rows_and_acceptance(bench):
     assert sum(r["share"] for r in acceptance.values()) == pytest.approx(1.0)
 
 
-def test_main_replays_a_bench_engine_report(bench, tmp_path):
+def test_main_replays_a_bench_engine_report(bench, tmp_path, capsys):
     try:
         find_model_file()
     except (FileNotFoundError, OSError) as exc:
@@ -79,5 +79,15 @@ def test_main_replays_a_bench_engine_report(bench, tmp_path):
     assert result["requests"] == ["echo"]
     assert [r["rule"] for r in result["rules"]] == ["n/n", "active_nodes", "1/5"]
     assert all(r["tokens"] == len(ids) - 1 for r in result["rules"])
+    capsys.readouterr()
+    for bad, says in ((["--outputs", str(prompts)], "no plain run with token ids"),
+                      (["--outputs", str(report), "--limit", "0"], "--limit: '0': expected an int of at least 1"),
+                      (["--outputs", str(report), "--tree-size", "1"], "expected an int of at least 2"),
+                      (["--outputs", str(report), "--rules", "1/0"], "'1/0' is not NONE/ONE")):
+        with pytest.raises(SystemExit):
+            bench.main([*bad, "--prompts", str(prompts)])
+        assert says in capsys.readouterr().err
+    report.write_text(json.dumps({"runs": [{"run": "plain", "requests": ["echo"], "token_ids": [ids[:1]]}]}))
     with pytest.raises(SystemExit):
-        bench.main(["--outputs", str(prompts), "--prompts", str(prompts)])
+        bench.main(["--outputs", str(report), "--prompts", str(prompts)])
+    assert "no request has two output tokens or more" in capsys.readouterr().err

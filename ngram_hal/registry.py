@@ -114,7 +114,7 @@ def passed_over(name: str, require: Sequence[str] = ()) -> list[str]:
     """Why auto-selection passed over each backend before ``name`` (``"cuda: not registered (no
     installed package declares it)"``, ...), in :data:`AUTO_ORDER`."""
     reasons = []
-    for candidate, cls, reason in _auto_candidates(require, unregistered=True):
+    for candidate, _, reason in _auto_candidates(require, unregistered=True):
         if candidate == name:
             break
         reasons.append(f"{candidate}: {reason}")

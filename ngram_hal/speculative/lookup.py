@@ -17,7 +17,7 @@ Each chain also says how many of its nodes are worth verifying, its *active* nod
 (:func:`active_nodes`, from the length of the match it continues): the root alone with no match
 (the chain only repeats the root), every node after a match. On the workload's check half 31 % of
 positions follow no match and none of their drafts was accepted; a one-token match (41 %) was
-followed by 0.68 accepted drafts on average, and cutting its chain to five nodes costs 1.5 % of the
+followed by 0.67 accepted drafts on average, and cutting its chain to five nodes costs 1.5 % of the
 tokens per verify step (``bench/bench_active_replay.py``, ``docs/bench/h100-active/``). A verify
 step skips the attention of the other nodes (:meth:`ngram_hal.Backend.attention_layout`'s
 ``q_active``) and never accepts them.

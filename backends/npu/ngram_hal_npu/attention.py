@@ -3,10 +3,11 @@
 The layout (built once per forward, shared by every layer) holds, for the batch's B requests and
 T = ``max_kv_len`` key positions, the slot of each request's position t and, for each of the N
 queries, its request and which of the T positions it sees (causal, or the tree mask inside the
-block of new positions; none for the queries the layout's ``q_active`` leaves out). A layer then gathers the B x T key and value rows once (int32 row
-indices, slots outside the cache read the scratch row), hands each query its request's rows and
-runs two batched matrix products with a float32 softmax between them, in chunks of queries that
-keep the gathered rows within :data:`CHUNK_BYTES`.
+block of new positions; none for the queries the layout's ``q_active`` leaves out). A layer then
+gathers the B x T key and value rows once (int32 row indices, slots outside the cache read the
+scratch row), hands each query its request's rows and runs two batched matrix products with a
+float32 softmax between them, in chunks of queries that keep the gathered rows within
+:data:`CHUNK_BYTES`.
 
 Every shape is a host int (N, B, T), so a forward can be captured in an NPU graph. A query that
 sees no key (possible only with invalid input) gets zeros. Arguments were validated by

@@ -438,7 +438,8 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
             k_layer.stride(0), sm_scale * _LOG2E, chunk, splits,
             Hq=Hq, H=H, HEAD_DIM=d, TREE_D=tree_d, BLOCK_Q=tiles.block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, SPLIT=splits > 1, EVEN=even, PATH=path, PART=part, FOLD=fold,
-            ACTIVE=layout.q_active is not None, IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            ACTIVE=layout.q_active is not None, IEEE=q.dtype == torch.float32,
+            UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             num_warps=cfg.attn_num_warps(block_m, block_d), num_stages=cfg.attn_stages(decode),
             **pdl_keywords(cfg.pdl), **cfg.options())
 

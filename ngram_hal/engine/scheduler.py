@@ -10,7 +10,8 @@ a running request never meets an empty cache, nothing is ever preempted, and no 
 allocates (admission already set those pages aside, so taking them early costs no capacity, and a
 request that stops early gives them all back). A request whose budget exceeds the whole cache, or whose
 prompt leaves no room in the context, fails on its own with a clear error; the others are
-unaffected.
+unaffected. With an :class:`~ngram_hal.engine.admission.AdmissionGate`, requests that could be
+admitted may wait a few steps for more seats, so that one prefill step takes them together.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..backend import Backend
 from ..memory import ReqToTokenPool, SlotAllocator
+from .admission import AdmissionGate
 from .overlap import Transfer
 from .request import Request, Status
 
@@ -54,16 +56,19 @@ class Scheduler:
         tree_size: D, draft-tree nodes per verify step (1 without speculation).
         max_prefill_tokens: prompt tokens per prefill step (a longer prompt runs alone).
         page_size: KV slots per page.
+        gate: decides when waiting requests are admitted; None admits them as soon as they fit.
     """
 
     def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
-                 max_context_len: int, tree_size: int, max_prefill_tokens: int, page_size: int = 1):
+                 max_context_len: int, tree_size: int, max_prefill_tokens: int, page_size: int = 1,
+                 gate: AdmissionGate | None = None):
         self.backend = backend
         self.transfer = transfer
         self.slots = SlotAllocator(backend, num_slots, page_size)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.tree_size = tree_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.gate = gate
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -93,10 +98,13 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests (first come, first served) that fit now into the running set.
 
-        Each admitted request gets a pool row and the slots of its whole budget.
+        Each admitted request gets a pool row and the slots of its whole budget. None is admitted
+        while the gate holds the waiting requests back.
         """
         admitted: list[Request] = []
         if not self.waiting:
+            return admitted
+        if self.gate is not None and not self.gate.ready(len(self.waiting), self.pool.available(), len(self.running)):
             return admitted
         free = self.slots.free_pages
         tokens = 0

@@ -68,8 +68,8 @@ from common import (error_text, launch_settings, make_console, make_table, peak_
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
-from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, Setup, add_gather_argument, add_model_arguments,  # noqa: E402
-                               add_shape_argument, check_tree_room, int_list, prompt_specs)
+from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, Setup, add_model_arguments, add_shape_argument,  # noqa: E402
+                               check_tree_room, int_list, prompt_specs)
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
 from ngram_hal.options import POSITIVE_INT, field_type  # noqa: E402
@@ -125,7 +125,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     add_shape_argument(parser)
-    add_gather_argument(parser)
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None, help="prompts (default: the bundled ones)")
     parser.add_argument("--batch-sizes", type=int_list, default=None, metavar="B,...",
                         help="comma-separated batch sizes (default 1,16,64; quick 1,2)")

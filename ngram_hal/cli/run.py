@@ -65,21 +65,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV cache dtype (default auto: float32 on the CPU, bfloat16 on an accelerator)")
 
 
-def add_gather_argument(parser: argparse.ArgumentParser) -> None:
-    """``--no-gather-prefills``: :attr:`EngineConfig.gather_prefills` off."""
-    parser.add_argument("--no-gather-prefills", action="store_true",
-                        help="admit a waiting request as soon as a seat frees (default: it may wait a few steps for "
-                             "more seats, so that one prefill step takes several, while the idle seats cost less than "
-                             "the prefill step saved)")
-
-
 def _add_common(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-invariant", action="store_true",
                         help="projections and attention split the same way whatever the batch (cuda and rocm; "
                              "cpu in float32), so that greedy speculation reproduces plain decoding exactly")
     parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
-    add_gather_argument(parser)
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '
                              "(default: the bundled prompts)")
@@ -515,15 +506,14 @@ class Setup:
                graphs: bool | None = None, num_slots: int | None = None, model=None, drafter: str | None = None):
         """An engine over ``model`` (default the loaded one) with these settings; ``graphs``,
         ``num_slots`` and ``drafter`` default to the options (``--no-graphs``, ``--num-slots``,
-        ``--drafter``); admissions gather unless ``--no-gather-prefills``."""
+        ``--drafter``)."""
         from ..engine.engine import Engine
 
         a = self.args
         config = EngineConfig(tree_size=tree_size, drafter=drafter or a.drafter, spec_policy=policy, overlap=overlap,
                               num_slots=num_slots or a.num_slots, max_running=batch_size,
                               max_context_len=a.max_context_len, page_size=getattr(a, "page_size", 1),
-                              graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0),
-                              gather_prefills=not a.no_gather_prefills)
+                              graphs=not a.no_graphs if graphs is None else graphs, seed=getattr(a, "seed", 0))
         return Engine(model or self.model, self.tokenizer, config)
 
     def warm_up(self, build: Callable[[], list], specs: Sequence[PromptSpec], params: SamplingParams,

@@ -72,10 +72,6 @@ class EngineConfig(BaseModel):
     ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
     where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or
     with a strict backend).
-    ``gather_prefills`` lets requests that could be admitted wait a few steps for more free seats,
-    so that one prefill step takes several, as long as the seats left idle cost less than the
-    prefill step saved (:mod:`ngram_hal.engine.admission`); off, a request is admitted as soon as
-    a seat and its slots are free.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -91,7 +87,6 @@ class EngineConfig(BaseModel):
     max_running: int = Field(32, ge=1)
     max_context_len: int = Field(2048, ge=8)
     max_prefill_tokens: int = Field(4096, ge=1)
-    gather_prefills: bool = True
     seed: int = 0
 
     @staticmethod

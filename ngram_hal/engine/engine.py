@@ -23,8 +23,7 @@ from ..speculative.lookup import DeviceDrafter
 from ..speculative.sources import DeviceDrafts, DraftSource, HostDrafts
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenDecoder
-from .admission import AdmissionGate
-from .graphs import PREFILL_BATCH, StepGraphs, batch_buckets
+from .graphs import StepGraphs, batch_buckets
 from .intake import check_request, params_per_prompt
 from .loop import OverlapLoop
 from .model import LlamaModel
@@ -74,11 +73,8 @@ class Engine:
         self.tree_size = cfg.tree_size
         transfer = Transfer(self.backend.runtime)
         self.kv = model.new_kv_cache(cfg.num_slots)
-        captures = cfg.graphs and self.backend.runtime.graph_capture and not self.backend.strict
-        # Captured prefills take up to PREFILL_BATCH requests; a larger one runs eagerly.
-        gate = AdmissionGate(cfg.max_running, PREFILL_BATCH if captures else None) if cfg.gather_prefills else None
         self.sched = Scheduler(self.backend, transfer, cfg.num_slots, cfg.max_running, cfg.max_context_len,
-                               self.tree_size, cfg.max_prefill_tokens, cfg.page_size, gate)
+                               self.tree_size, cfg.max_prefill_tokens, cfg.page_size)
         if self.tree_size == 1:
             self.drafts = DraftSource()
         elif drafter is None and cfg.drafter == "device":
@@ -91,11 +87,12 @@ class Engine:
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = frozenset(eos_token_ids)
         self.graphs = None
-        if captures:
+        if cfg.graphs and self.backend.runtime.graph_capture and not self.backend.strict:
             self.graphs = StepGraphs(model, self.kv, self.sched.req_to_token, cfg.max_running,
                                      self.drafts.graph_drafter)
             # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
             self.graphs.capture_all(tree_sizes(self.tree_size))
+            self.sched.refill = self.graphs.prefill_capacity
         buckets = self.graphs.buckets if self.graphs is not None else batch_buckets(cfg.max_running)
         self.policy = SpecPolicy(self.tree_size, cfg.spec_policy, cfg.probe_every, buckets=buckets)
         if self.graphs is not None and self.policy.mode == "auto":

@@ -339,6 +339,11 @@ class StepGraphs:
         return entry.logits[:N]
 
     @property
+    def prefill_capacity(self) -> tuple[int, int]:
+        """The most requests and prompt tokens one captured prefill takes."""
+        return PREFILL_BATCH, max(prefill_lengths(self.req_to_token.shape[1]), default=0)
+
+    @property
     def prefill_sizes(self) -> list[tuple[int, int]]:
         """The (batch bucket, padded length) pairs whose prefill has been captured so far."""
         return sorted(self._prefills)

@@ -59,9 +59,6 @@ class InflightStep:
         context: a decode step's mean keys per request before its trees, as the policy read it.
         shadow: host bool[B] or None: for a plain step, whether each request's first draft (drafted
             on the device, not run) equals the token the step committed.
-        comparable: a prefill step timed as the engine's other prefills are: replayed from a
-            captured graph where the engine captures them (a larger one runs eagerly), any where
-            it captures none.
         records: per request, the :class:`Acceptance` the policy scored a
             decode step by, which its accepted drafts are added to (empty outside ``auto``).
     """
@@ -80,7 +77,6 @@ class InflightStep:
     bucket: int = 1
     offered: list[int] | None = None
     context: float = 0.0
-    comparable: bool = True
     records: list[Acceptance] = field(default_factory=list)
     absorbed: bool = False
     wait_s: float = field(default=0.0)

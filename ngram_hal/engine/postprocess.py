@@ -186,23 +186,19 @@ class Postprocessor:
         return busy, interval
 
     def _observe(self, step: InflightStep, rows: int, committed: int, timed: tuple[float, float | None]) -> None:
-        """Feed a finished step to the statistics, the speculation policy and the admission gate.
-        ``timed`` is :meth:`_time_device`'s. A decode step's time is the device's interval since
+        """Feed a finished step to the statistics and the speculation policy. ``timed`` is
+        :meth:`_time_device`'s. A decode step's time is the device's interval since
         the previous step ended where the runtime times it (None after a prefill); on a host
         runtime, where a step computes inside its launch, the launch's host time (drafting
         included). The policy also gets :attr:`host_s`, the floor under any step's time where the
-        host sets the pace. The gate gets a prefill step's own seconds, where the step ran as the
-        engine's other prefills do (:attr:`InflightStep.comparable`)."""
+        host sets the pace. A prefill step's own seconds go to ``prefill_s``."""
         busy, interval = timed
-        gate = self.sched.gate
         if step.kind == "decode":
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
             seconds = step.launch_s if self.runtime.is_host else interval
             if rows and self._last_kind == "decode":
                 self.policy.observe(step.bucket, step.tree_size, seconds, step.context, self.host_s)
-                if gate is not None:
-                    gate.observe_decode(seconds)
-        elif gate is not None and step.comparable:
-            gate.costs.observe(sum(len(r.prompt_ids) for r in step.reqs), busy)
+        else:
+            self.stats.prefill_s += busy
         self._last_kind = step.kind

@@ -70,7 +70,6 @@ class StepRunner:
         logits = tokens = None
         if self.graphs is not None:
             logits = self.graphs.prefill(input_ids, out_cache_loc, rows, lens, up)
-        replayed = logits is not None
         if logits is None:
             batch = ForwardBatch(
                 input_ids=input_ids, positions=up([p for n in lens for p in range(n)]),
@@ -93,7 +92,6 @@ class StepRunner:
             r.inflight += 1
         self.stats.prefill_steps += 1
         step = self._ship("prefill", reqs, relay, logprobs, start, begin)
-        step.comparable = self.graphs is None or replayed
         # The prompts go to the drafter while the device runs the prefill.
         drafting = time.perf_counter()
         self.drafts.add_prompts([r.rid for r in reqs], [r.prompt_ids for r in reqs], rows, lens_dev, input_ids)

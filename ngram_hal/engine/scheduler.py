@@ -10,8 +10,7 @@ a running request never meets an empty cache, nothing is ever preempted, and no 
 allocates (admission already set those pages aside, so taking them early costs no capacity, and a
 request that stops early gives them all back). A request whose budget exceeds the whole cache, or whose
 prompt leaves no room in the context, fails on its own with a clear error; the others are
-unaffected. With an :class:`~ngram_hal.engine.admission.AdmissionGate`, requests that could be
-admitted may wait a few steps for more seats, so that one prefill step takes them together.
+unaffected.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 
 from ..backend import Backend
 from ..memory import ReqToTokenPool, SlotAllocator
-from .admission import AdmissionGate
 from .overlap import Transfer
 from .request import Request, Status
 
@@ -56,19 +54,22 @@ class Scheduler:
         tree_size: D, draft-tree nodes per verify step (1 without speculation).
         max_prefill_tokens: prompt tokens per prefill step (a longer prompt runs alone).
         page_size: KV slots per page.
-        gate: decides when waiting requests are admitted; None admits them as soon as they fit.
+
+    Attributes:
+        refill: the most requests and prompt tokens one admission takes while requests run (a
+            captured prefill's, which the engine sets where it captures them: a larger prefill
+            would run eagerly, many times longer, while the batch waits), or None.
     """
 
     def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
-                 max_context_len: int, tree_size: int, max_prefill_tokens: int, page_size: int = 1,
-                 gate: AdmissionGate | None = None):
+                 max_context_len: int, tree_size: int, max_prefill_tokens: int, page_size: int = 1):
         self.backend = backend
         self.transfer = transfer
         self.slots = SlotAllocator(backend, num_slots, page_size)
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.tree_size = tree_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.gate = gate
+        self.refill: tuple[int, int] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -98,20 +99,18 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests (first come, first served) that fit now into the running set.
 
-        Each admitted request gets a pool row and the slots of its whole budget. None is admitted
-        while the gate holds the waiting requests back.
+        Each admitted request gets a pool row and the slots of its whole budget. One admission
+        takes at most ``max_prefill_tokens`` prompt tokens, and while requests run at most what
+        :attr:`refill` bounds.
         """
+        most, bound = self._bounds()
         admitted: list[Request] = []
-        if not self.waiting:
-            return admitted
-        if self.gate is not None and not self.gate.ready(len(self.waiting), self.pool.available(), len(self.running)):
-            return admitted
         free = self.slots.free_pages
         tokens = 0
-        while self.waiting and self.pool.available() > len(admitted):
+        while self.waiting and min(most, self.pool.available()) > len(admitted):
             req = self.waiting[0]
             n = len(req.prompt_ids)
-            if self._pages(req.slot_budget) > free or (admitted and tokens + n > self.max_prefill_tokens):
+            if self._pages(req.slot_budget) > free or (admitted and tokens + n > bound):
                 break
             self.waiting.popleft()
             free -= self._pages(req.slot_budget)
@@ -125,6 +124,12 @@ class Scheduler:
         self._allocate(admitted)
         self.running.extend(admitted)
         return admitted
+
+    def _bounds(self) -> tuple[int, int]:
+        """The most requests and prompt tokens one admission takes now."""
+        if self.running and self.refill is not None:
+            return self.refill[0], min(self.refill[1], self.max_prefill_tokens)
+        return self.pool.size, self.max_prefill_tokens
 
     def _allocate(self, reqs: list[Request]) -> None:
         """Give each newly admitted request (holding no slot yet) the slots of positions

@@ -24,7 +24,9 @@ class EngineStats:
     and the last). ``shadow_drafts`` / ``shadow_hits``: first drafts that plain steps scored
     without running them (drafted on the device anyway, or by a host drafter from the tokens
     before the step's; a request it matched nothing for has none), and how many matched the
-    committed token.
+    committed token. ``prefill_s``: the prefill steps' own seconds, from each one's first queued op
+    to its results copy on the device, or its launch's host time (the compute itself) where the
+    runtime is the host's.
     """
 
     prefill_steps: int = 0
@@ -39,6 +41,7 @@ class EngineStats:
     device_busy_s: float = 0.0
     device_idle_s: float = 0.0
     draft_s: float = 0.0
+    prefill_s: float = 0.0
     critical_decodes: int = 0
     shadow_drafts: int = 0
     shadow_hits: int = 0

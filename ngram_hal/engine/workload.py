@@ -178,7 +178,7 @@ class RequestRecord(BaseModel):
 
 COUNTS = ("requests", "output_tokens", "decode_tokens", "verify_steps", "wall_s", "decode_s", "prefill_steps",
           "decode_steps", "tree_nodes", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "draft_s",
-          "device_busy_s", "device_idle_s")
+          "device_busy_s", "device_idle_s", "prefill_s")
 """The fields of :class:`RunTotals` that add up over runs; the others are rates derived from them."""
 
 
@@ -198,7 +198,8 @@ class RunTotals(BaseModel):
     draft-tree nodes per request summed over decode steps. The device times (see
     :class:`~ngram_hal.engine.stats.EngineStats`; 0 on the CPU) cover the same decode window, so
     that neither the prefill nor a pause of the engine before the run counts. ``draft_s`` is the
-    host time in the drafter (part of the launch and host times).
+    host time in the drafter (part of the launch and host times). ``prefill_s`` is the prefill
+    steps' own seconds over the whole run (:class:`~ngram_hal.engine.stats.EngineStats`).
     """
 
     requests: int
@@ -222,6 +223,7 @@ class RunTotals(BaseModel):
     device_busy_s: float
     device_idle_s: float
     device_idle_fraction: float
+    prefill_s: float
 
     @classmethod
     def from_counts(cls, **counts) -> "RunTotals":
@@ -324,7 +326,7 @@ class _Run:
             tree_nodes=stats.tree_nodes, launch_s=stats.launch_s, wait_s=stats.wait_s,
             hidden_host_s=stats.process_s, critical_host_s=stats.critical_s, draft_s=stats.draft_s,
             device_busy_s=window.device_busy_s,
-            device_idle_s=window.device_idle_s)
+            device_idle_s=window.device_idle_s, prefill_s=stats.prefill_s)
         return RunResult(config=engine.config.model_dump(), requests=records, totals=totals)
 
 

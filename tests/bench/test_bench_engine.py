@@ -25,7 +25,7 @@ ROW_KEYS = {"batch", "run", "tree_size", "policy", "graphs", "overlap", "invaria
 TOTALS_KEYS = {"requests", "output_tokens", "decode_tokens", "verify_steps", "tokens_per_verify_step", "wall_s",
                "tokens_per_s", "decode_s", "decode_tokens_per_s", "prefill_steps", "decode_steps", "tree_nodes",
                "ms_per_decode_step", "launch_s", "wait_s", "hidden_host_s", "critical_host_s", "draft_s", "device_busy_s",
-               "device_idle_s", "device_idle_fraction"}
+               "device_idle_s", "device_idle_fraction", "prefill_s"}
 
 
 @pytest.fixture

@@ -85,7 +85,8 @@ def result(tokens: list[list[int]], wall: float, steps: int) -> RunResult:
         requests=len(tokens), output_tokens=sum(len(ids) for ids in tokens),
         decode_tokens=sum(len(ids) - 1 for ids in tokens), verify_steps=steps * len(tokens), wall_s=wall,
         decode_s=0.9 * wall, prefill_steps=1, decode_steps=steps, tree_nodes=steps, launch_s=0.0, wait_s=0.0,
-        hidden_host_s=0.0, critical_host_s=0.0, draft_s=0.0, device_busy_s=0.0, device_idle_s=0.0)
+        hidden_host_s=0.0, critical_host_s=0.0, draft_s=0.0, device_busy_s=0.0, device_idle_s=0.0,
+        prefill_s=0.0)
     return RunResult(config={}, requests=records, totals=totals)
 
 

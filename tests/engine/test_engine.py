@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ngram_hal.engine.admission import PrefillCosts
 from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.engine.engine import Engine, EngineConfig
 from ngram_hal.engine.model import LlamaModel
@@ -49,18 +48,6 @@ def model():
 def prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-
-
-class KnownCosts(PrefillCosts):
-    """Prefill steps of a given fixed part (a synthetic cost for the admission gate)."""
-
-    def __init__(self, fixed_s: float):
-        super().__init__()
-        self._fixed = fixed_s
-
-    @property
-    def fixed_s(self) -> float:
-        return self._fixed
 
 
 def make(model, tokenizer=None, **cfg) -> Engine:
@@ -702,27 +689,17 @@ def test_prefill_row_counts_compiled_before_serving(model, monkeypatch):
     assert engine.sched.slots.available() == engine.sched.slots.num_slots
 
 
-def test_a_gate_that_waits_gathers_prefills_and_keeps_the_tokens(model, prompts):
-    """With a fixed prefill cost no idle time reaches, a freed seat waits until every waiting
-    request fits: the two requests after the first fill of two seats come in one prefill, not one
-    by one as seats free (the 12-token request's first); the tokens are the ones the engine
-    commits without the gate, and every seat and slot comes back."""
-    params = [SamplingParams(max_new_tokens=n) for n in (40, 12, 40, 25)]
-    for tree_size, drafter in ((1, "trie"), (8, "trie"), (8, "device")):
-        alone = make(model, tree_size=tree_size, drafter=drafter, max_running=2, gather_prefills=False)
-        expected = [o.token_ids for o in alone.generate(prompts, params)]
-        engine = make(model, tree_size=tree_size, drafter=drafter, max_running=2)
-        engine.sched.gate.costs = KnownCosts(1e9)
-        assert [o.token_ids for o in engine.generate(prompts, params)] == expected
-        assert alone.stats.prefill_steps == 3 and engine.stats.prefill_steps == 2
-        assert_all_free(engine)
-
-
-def test_the_engine_feeds_the_admission_gate(model, prompts, reference):
-    """Served prefill and decode steps reach the gate's costs; it can be turned off."""
-    engine = make(model, tree_size=8, drafter="device", max_running=2)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=48))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-    gate = engine.sched.gate
-    assert gate.decode_s > 0.0 and len(gate.costs) == engine.stats.prefill_steps
-    assert make(model, tree_size=8, gather_prefills=False).sched.gate is None
+@pytest.mark.parametrize("refill,prefills", [(None, 2), ((4, 20), 3), ((1, 10**6), 3)])
+def test_refills_take_what_one_captured_prefill_holds(model, prompts, refill, prefills):
+    """While requests run, one admission takes at most ``Scheduler.refill``'s requests and prompt
+    tokens (where steps are captured, a captured prefill's): the 30- and 9-token prompts that wait
+    when two of three seats free come in one prefill without a bound, in two under 20 tokens or
+    one request; the first fill is not bound, and the tokens do not change."""
+    five = prompts + prompts[2:3]
+    params = [SamplingParams(max_new_tokens=n) for n in (40, 10, 10, 40, 40)]
+    expected = [o.token_ids for o in make(model, tree_size=1, max_running=3).generate(five, params)]
+    engine = make(model, tree_size=1, max_running=3)
+    engine.sched.refill = refill
+    assert [o.token_ids for o in engine.generate(five, params)] == expected
+    assert engine.stats.prefill_steps == prefills and engine.stats.prefill_s > 0
+    assert_all_free(engine)

@@ -169,36 +169,34 @@ class Postprocessor:
         self.policy.drop(rids)
         self.sched.release(held)
 
-    def _time_device(self, step: InflightStep) -> tuple[float, float | None]:
-        """Add the step's device time, and the device's idle time since the previous step ended;
-        returns the step's seconds (on the device, or its launch's where the runtime is the host's)
-        and the device seconds from the previous step's end to this one's (None where the runtime
-        does not time, or no step ran just before)."""
+    def _time_device(self, step: InflightStep) -> float | None:
+        """Add the step's device time, and the device's idle time since the previous step ended
+        (a prefill's own seconds also to ``prefill_s``: its device time, or its launch's where the
+        runtime is the host's); returns the device seconds from the previous step's end to this
+        one's (None where the runtime does not time, or no step ran just before)."""
+        busy = step.launch_s if self.runtime.is_host else step.begin.elapsed_time(step.event) / 1e3
+        if step.kind == "prefill":
+            self.stats.prefill_s += busy
         if self.runtime.is_host:
-            return step.launch_s, None
-        busy = step.begin.elapsed_time(step.event) / 1e3
+            return None
         self.stats.device_busy_s += busy
         interval = None
         if self._last_end is not None:
             self.stats.device_idle_s += max(0.0, self._last_end.elapsed_time(step.begin) / 1e3)
             interval = self._last_end.elapsed_time(step.event) / 1e3
         self._last_end = step.event
-        return busy, interval
+        return interval
 
-    def _observe(self, step: InflightStep, rows: int, committed: int, timed: tuple[float, float | None]) -> None:
-        """Feed a finished step to the statistics and the speculation policy. ``timed`` is
-        :meth:`_time_device`'s. A decode step's time is the device's interval since
-        the previous step ended where the runtime times it (None after a prefill); on a host
-        runtime, where a step computes inside its launch, the launch's host time (drafting
-        included). The policy also gets :attr:`host_s`, the floor under any step's time where the
-        host sets the pace. A prefill step's own seconds go to ``prefill_s``."""
-        busy, interval = timed
+    def _observe(self, step: InflightStep, rows: int, committed: int, interval: float | None) -> None:
+        """Feed a finished step to the statistics and the speculation policy. A step's time is the
+        device's ``interval`` since the previous step ended where the runtime times it (None
+        after a prefill); on a host runtime, where a step computes inside its launch, the launch's
+        host time (drafting included). The policy also gets :attr:`host_s`, the floor under any
+        step's time where the host sets the pace."""
         if step.kind == "decode":
             self.stats.decode_tokens += committed
             self.stats.decode_rows += rows
             seconds = step.launch_s if self.runtime.is_host else interval
             if rows and self._last_kind == "decode":
                 self.policy.observe(step.bucket, step.tree_size, seconds, step.context, self.host_s)
-        else:
-            self.stats.prefill_s += busy
         self._last_kind = step.kind

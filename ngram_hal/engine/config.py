@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
     ``num_slots % page_size`` unused); ``max_running`` bounds the batch; ``max_context_len`` is
     the positions one request may use (prompt, output and ``3*D`` of speculation room), so D is
     at most :meth:`max_tree_size` of it.
-    ``graphs`` replays decode and verify steps, and prefills of one request, from captured graphs
+    ``graphs`` replays decode and verify steps, and every prefill, from captured graphs
     where the backend's runtime can capture (:mod:`ngram_hal.engine.graphs`; never on the CPU or
     with a strict backend).
     """

@@ -92,7 +92,7 @@ class Engine:
                                      self.drafts.graph_drafter)
             # A step with graphs runs 1, 2, 4, ... or D nodes: the sizes the policy picks among.
             self.graphs.capture_all(tree_sizes(self.tree_size))
-            self.sched.refill = self.graphs.prefill_capacity
+            self.sched.prefill_cap = self.graphs.prefill_capacity
         buckets = self.graphs.buckets if self.graphs is not None else batch_buckets(cfg.max_running)
         self.policy = SpecPolicy(self.tree_size, cfg.spec_policy, cfg.probe_every, buckets=buckets)
         if self.graphs is not None and self.policy.mode == "auto":
@@ -114,10 +114,11 @@ class Engine:
         and return the seconds it took: the prompts run (in batches of ``max_batch``, default the
         engine's ``max_running``) for a few tokens each, which compiles the kernels of their shapes
         and captures their prefill graphs (on a host runtime the first prompt alone, which compiles
-        the CPU kernels); on a device, prefills of every row count a serving prefill can
-        specialise kernels on then run too (:meth:`compile_prefill_rows`); where steps are
-        captured, the prefills of every shape an admission of a few requests may take are
-        captured (:meth:`StepGraphs.capture_prefills`), and where ``params`` samples or
+        the CPU kernels). Where steps are captured, every admission is a captured prefill
+        (:attr:`Scheduler.prefill_cap <ngram_hal.engine.scheduler.Scheduler.prefill_cap>`), and the
+        prefill of every shape one may take is captured (:meth:`StepGraphs.capture_prefills`);
+        on a device without them, prefills of every row count a serving prefill can specialise
+        kernels on run instead (:meth:`compile_prefill_rows`). Where ``params`` samples or
         wants log-probabilities, the forward graphs of every batch bucket and tree size are
         captured too. Then :meth:`forget_drafts`, so that what the prompts taught the drafter does
         not help the real run, and the statistics and the seeds of unseeded requests start again.
@@ -133,10 +134,10 @@ class Engine:
             prompts = prompts[:1]  # no graphs, and kernels that do not compile per shape: one prompt does
         for i in range(0, len(prompts), size):
             self.generate(list(prompts[i:i + size]), short)
-        if not self.backend.runtime.is_host:
-            self.compile_prefill_rows(short)
         if self.graphs is not None:
             self.graphs.capture_prefills()
+        elif not self.backend.runtime.is_host:
+            self.compile_prefill_rows(short)
         if self.graphs is not None and (not params.greedy or params.logprobs):
             self.graphs.capture_forwards(tree_sizes(self.tree_size))
         self.backend.runtime.synchronize()

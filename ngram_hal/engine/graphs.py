@@ -22,7 +22,8 @@ Two kinds of graph:
   :data:`PREFILL_BATCH`), padded to a batch bucket and a length bucket (:func:`prefill_bucket` of their tokens together): the padding
   tokens follow the last prompt, so causal attention keeps them out of every real row, and they
   store no K/V; padding requests have no tokens. Without it a prefill is a few hundred eager
-  launches whose host time, not the device, sets its cost.
+  launches whose host time, not the device, sets its cost: on an H200, 25 ms for four prompts of
+  2,234 tokens, against 2.9 ms for a captured prefill of two prompts of 1,235.
 
 Capture and replay go through the backend's runtime (``graph_capture``, ``new_graph``,
 ``capture``), never a vendor module. Where the runtime cannot capture (the CPU), :class:`StepGraphs`
@@ -81,8 +82,10 @@ def prefill_lengths(limit: int) -> list[int]:
 
 
 PREFILL_BATCH = 4
-"""The most requests a captured prefill holds: continuous batching admits a few at a time once the
-batch is full, each admission a prefill; a larger one (a batch's first fill) runs eagerly, once."""
+"""The most requests a captured prefill holds. Where steps are captured no admission takes more
+(:attr:`Scheduler.prefill_cap <ngram_hal.engine.scheduler.Scheduler.prefill_cap>`): a batch's
+first fill is a few such prefills in a row, since one eager prefill of thousands of tokens (a few
+hundred launches) takes several times as long as the captured prefills that hold the same tokens."""
 
 
 class PaddedPrefill:

@@ -56,9 +56,9 @@ class Scheduler:
         page_size: KV slots per page.
 
     Attributes:
-        refill: the most requests and prompt tokens one admission takes while requests run (a
-            captured prefill's, which the engine sets where it captures them: a larger prefill
-            would run eagerly, many times longer, while the batch waits), or None.
+        prefill_cap: the most requests and prompt tokens one admission takes (a captured
+            prefill's, which the engine sets where it captures them: a larger prefill runs eagerly,
+            many times longer), or None: ``max_prefill_tokens`` alone bounds it.
     """
 
     def __init__(self, backend: Backend, transfer: Transfer, num_slots: int, max_running: int,
@@ -69,7 +69,7 @@ class Scheduler:
         self.pool = ReqToTokenPool(max_running, max_context_len, backend.device)
         self.tree_size = tree_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.refill: tuple[int, int] | None = None
+        self.prefill_cap: tuple[int, int] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -100,8 +100,8 @@ class Scheduler:
         """Move waiting requests (first come, first served) that fit now into the running set.
 
         Each admitted request gets a pool row and the slots of its whole budget. One admission
-        takes at most ``max_prefill_tokens`` prompt tokens, and while requests run at most what
-        :attr:`refill` bounds.
+        takes at most ``max_prefill_tokens`` prompt tokens and what :attr:`prefill_cap` bounds (a
+        first request longer than the bound comes alone).
         """
         most, bound = self._bounds()
         admitted: list[Request] = []
@@ -127,8 +127,8 @@ class Scheduler:
 
     def _bounds(self) -> tuple[int, int]:
         """The most requests and prompt tokens one admission takes now."""
-        if self.running and self.refill is not None:
-            return self.refill[0], min(self.refill[1], self.max_prefill_tokens)
+        if self.prefill_cap is not None:
+            return self.prefill_cap[0], min(self.prefill_cap[1], self.max_prefill_tokens)
         return self.pool.size, self.max_prefill_tokens
 
     def _allocate(self, reqs: list[Request]) -> None:

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from ngram_hal.engine.gguf_loader import find_model_file
 
 
 @pytest.fixture
@@ -61,11 +60,7 @@ def test_rule_rows_and_acceptance(bench):
     assert sum(r["share"] for r in acceptance.values()) == pytest.approx(1.0)
 
 
-def test_main_replays_a_bench_engine_report(bench, tmp_path, capsys):
-    try:
-        find_model_file()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"model file not available: {exc}")
+def test_main_replays_a_bench_engine_report(bench, model_file, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "echo", "kind": "copy", "messages": [
         {"role": "user", "content": "Repeat: red blue red blue red"}]}) + "\n")

@@ -12,7 +12,6 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.engine.engine import Engine, EngineConfig
-from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.model import LlamaModel
 from ngram_hal.reference import CpuBackend
 
@@ -33,19 +32,11 @@ def bench_engine(load_bench):
     return load_bench("bench_engine")
 
 
-def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
-    try:
-        find_model_file()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"model file not available: {exc}")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(line) + "\n" for line in (
-        {"id": "echo", "kind": "copy", "messages": [{"role": "user", "content": "Repeat: red blue red blue red"}]},
-        {"id": "sky", "kind": "open", "messages": [{"role": "user", "content": "Why?"}]})))
+def test_quick_matrix_on_the_cpu(bench_engine, model_file, two_prompts, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--repeats", "2",
                               "--max-context-len", "256",
-                              "--prompts", str(prompts), "--json", str(out)]) == 0
+                              "--prompts", str(two_prompts), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
 
     assert report["schema"] == "ngram-hal-bench-engine/2"
@@ -104,13 +95,9 @@ def test_quick_matrix_on_the_cpu(bench_engine, tmp_path, capsys):
     assert "targets (measured; not an exit code)" in printed and "invariant-plain" in printed
 
 
-def test_seeded_sampling_counts_the_same_tokens(bench_engine, tmp_path):
+def test_seeded_sampling_counts_the_same_tokens(bench_engine, model_file, tmp_path):
     """``--temperature`` samples every request with ``--seed``; speculation commits the tokens plain
     decoding samples (the cpu reference's invariant mode), and the report records the sampling."""
-    try:
-        find_model_file()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"model file not available: {exc}")
     out = tmp_path / "bench.json"
     assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--batch-sizes", "2",
                               "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "7",
@@ -122,13 +109,9 @@ def test_seeded_sampling_counts_the_same_tokens(bench_engine, tmp_path):
     assert check["run"] == "invariant-spec4-device" and check["same"] == check["of"] > 0
 
 
-def test_launch_modes_a_backend_lacks_are_errors(bench_engine, capsys):
+def test_launch_modes_a_backend_lacks_are_errors(bench_engine, model_file, capsys):
     """``--pdl on`` where the backend never launches early, and ``--products table`` where it has no
     product table, name the backend; nothing is measured."""
-    try:
-        find_model_file()
-    except (FileNotFoundError, OSError) as exc:
-        pytest.skip(f"model file not available: {exc}")
     assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--pdl", "on"]) == 2
     assert "error: --pdl on: the cpu backend does not launch kernels early on this device" in capsys.readouterr().err
     assert bench_engine.main(["--backend", "cpu", "--quick", "--threads", "1", "--products", "table"]) == 2

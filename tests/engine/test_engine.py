@@ -689,17 +689,19 @@ def test_prefill_row_counts_compiled_before_serving(model, monkeypatch):
     assert engine.sched.slots.available() == engine.sched.slots.num_slots
 
 
-@pytest.mark.parametrize("refill,prefills", [(None, 2), ((4, 20), 3), ((1, 10**6), 3)])
-def test_refills_take_what_one_captured_prefill_holds(model, prompts, refill, prefills):
-    """While requests run, one admission takes at most ``Scheduler.refill``'s requests and prompt
-    tokens (where steps are captured, a captured prefill's): the 30- and 9-token prompts that wait
-    when two of three seats free come in one prefill without a bound, in two under 20 tokens or
-    one request; the first fill is not bound, and the tokens do not change."""
+@pytest.mark.parametrize("cap,prefills", [(None, 2), ((2, 10**6), 3), ((4, 20), 5)])
+def test_admissions_take_what_one_captured_prefill_holds(model, prompts, cap, prefills):
+    """One admission takes at most ``Scheduler.prefill_cap``'s requests and prompt tokens (where
+    steps are captured, a captured prefill's), the first fill too: with three seats and prompts of
+    5, 17, 9, 30 and 9 tokens, the first fill is one prefill and the two that wait until two
+    seats free another without a cap; two requests a prefill take the first fill in two; 20 tokens
+    a prefill take every prompt alone (the 30-token one alone although it passes the bound). The
+    tokens do not change."""
     five = prompts + prompts[2:3]
     params = [SamplingParams(max_new_tokens=n) for n in (40, 10, 10, 40, 40)]
     expected = [o.token_ids for o in make(model, tree_size=1, max_running=3).generate(five, params)]
     engine = make(model, tree_size=1, max_running=3)
-    engine.sched.refill = refill
+    engine.sched.prefill_cap = cap
     assert [o.token_ids for o in engine.generate(five, params)] == expected
     assert engine.stats.prefill_steps == prefills and engine.stats.prefill_s > 0
     assert_all_free(engine)

@@ -80,7 +80,7 @@ def test_graphs_replay_the_eager_forward(backend, prompts, alone):
         # Prompts of 24-48 tokens prefilled alone replay the padded prefills of 32 and 64 tokens;
         # the four prefilled together (154 tokens), the prefill of four requests and 256 tokens.
         assert engine.graphs.prefill_sizes == ([(1, 32), (1, 64)] if alone else [(4, 256)])
-        assert engine.sched.refill == (4, 512), "refills take what the largest captured prefill holds"
+        assert engine.sched.prefill_cap == (4, 512), "admissions take what the largest captured prefill holds"
         _, eager = _run(model, prompts, alone, tree_size=tree_size, graphs=False)
         assert with_graphs == eager
 

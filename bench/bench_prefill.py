@@ -6,8 +6,9 @@ tokens) through one engine with one new token each, so that a run is its prefill
 else. ``cap`` is the engine's rule: one admission takes at most what a captured prefill holds
 (``Scheduler.prefill_cap``), so k prompts of many tokens take several captured prefills; an
 engine that captures no steps has no bound, and only ``none`` runs. ``none`` takes the bound off:
-the k prompts come in one prefill, eager where they pass what a captured one holds. After ``--warmup`` runs, ``--reps`` runs are timed by the engine's ``EngineStats.prefill_s``
-(each prefill step's device seconds from its first queued op to its results copy; on the CPU its
+the k prompts come in one prefill, eager where they pass what a captured one holds. After
+``--warmup`` runs, ``--reps`` runs are timed by the engine's ``EngineStats.prefill_s`` (each
+prefill step's device seconds from its first queued op to its results copy; on the CPU its
 launch's host time, the compute itself). On CUDA ``--profile`` more runs of the ``cap`` rows go
 under ``torch.profiler`` for the kernels with the most device time (kernels launched early overlap
 the one before them, so their times rank them but do not add up to a step).
@@ -40,6 +41,8 @@ from ngram_hal.engine.workload import load_prompts  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402
 
 SCHEMA = "ngram-hal-bench-prefill/1"
+ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
+"""What each prompt of a run asks for: its prefill's token and nothing after it."""
 BOUNDS = ("cap", "none")
 """``cap``: the engine's bound on one admission; ``none``: the k prompts in one prefill (the only
 row where the engine has no bound: no captured steps)."""
@@ -76,13 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def time_case(engine: Engine, prompts: list[list[int]], args) -> dict:
     """Prefill steps and seconds of ``prompts`` run together, one new token each."""
-    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     for _ in range(args.warmup):
-        engine.generate(prompts, one)
+        engine.generate(prompts, ONE)
     engine.backend.synchronize()
     seconds, steps = engine.stats.prefill_s, engine.stats.prefill_steps
     for _ in range(args.reps):
-        engine.generate(prompts, one)
+        engine.generate(prompts, ONE)
     engine.backend.synchronize()
     seconds, steps = engine.stats.prefill_s - seconds, engine.stats.prefill_steps - steps
     return {"prefill_steps_per_run": steps / args.reps, "ms_per_run": 1e3 * seconds / args.reps,
@@ -93,11 +95,10 @@ def profile_case(engine: Engine, prompts: list[list[int]], runs: int) -> dict:
     """:func:`step_profile.count_events` of ``runs`` runs of ``prompts``, per prefill step."""
     from torch.profiler import ProfilerActivity, profile
 
-    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     steps = engine.stats.prefill_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
-            engine.generate(prompts, one)
+            engine.generate(prompts, ONE)
         engine.backend.synchronize()
     return count_events(prof.events(), engine.stats.prefill_steps - steps)
 
@@ -105,7 +106,8 @@ def profile_case(engine: Engine, prompts: list[list[int]], runs: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     backend = get_backend(args.backend, device=args.device, require=OPS)
-    model = LlamaModel.from_gguf(backend, find_model_file(), DTYPES[args.dtype])
+    path = find_model_file()
+    model = LlamaModel.from_gguf(backend, path, DTYPES[args.dtype])
     tok = Tokenizer(model.tokenizer_metadata)
     copy = [tok.encode_chat(s.messages) for s in load_prompts(args.prompts) if s.kind != "open"]
     if len(copy) < max(args.requests):
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for kernel in (r.get("profile") or {}).get("top_kernels", [])[:8]:
             console.print(f"{r['requests']} requests: {kernel['us_per_step']:8.1f} us x{kernel['per_step']:.0f} "
                           f"{kernel['name']}", markup=False, highlight=False)
-    report = {**report_header(SCHEMA, backend), "model": find_model_file().name,
+    report = {**report_header(SCHEMA, backend), "model": path.name,
               "dtype": str(model.dtype).removeprefix("torch."), "graphs": engine.graphs is not None,
               "prefill_cap": cap, "prompts": args.prompts, "reps": args.reps, "warmup": args.warmup, "cases": rows}
     write_report(args.json, report, console)

@@ -126,7 +126,7 @@ class Scheduler:
         return admitted
 
     def _bounds(self) -> tuple[int, int]:
-        """The most requests and prompt tokens one admission takes now."""
+        """The most requests and prompt tokens one admission takes."""
         if self.prefill_cap is not None:
             return self.prefill_cap[0], min(self.prefill_cap[1], self.max_prefill_tokens)
         return self.pool.size, self.max_prefill_tokens

@@ -15,7 +15,9 @@ some; D0 is the first of ``--tree-sizes``):
   auto{D0}, auto{D}-device for D in          the auto policy (1, 2, 4, ... or D nodes a step)
     --tree-sizes
   invariant-plain, invariant-spec{D0},       the model loaded again with batch_invariant=True;
-  invariant-spec{D0}-device                  only where the backend has that mode
+  invariant-spec{D0}-device,                 only where the backend has that mode (every run of it
+  invariant-auto{D0}-device                  commits the same tokens, so ``auto`` meets the fixed
+                                             sizes on the same text)
 
 Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
 timed on the same engine with a fresh drafter and speculation policy, ``--repeats`` times: the
@@ -110,7 +112,8 @@ def run_configs(tree_sizes: Sequence[int]) -> list[RunConfig]:
             RunConfig(f"spec{d}-nooverlap", d, overlap=False), RunConfig(f"auto{d}", d, policy="auto"),
             *(RunConfig(f"auto{D}-device", D, policy="auto", drafter="device") for D in tree_sizes),
             RunConfig("invariant-plain", 1, invariant=True), RunConfig(f"invariant-spec{d}", d, invariant=True),
-            RunConfig(f"invariant-spec{d}-device", d, invariant=True, drafter="device")]
+            RunConfig(f"invariant-spec{d}-device", d, invariant=True, drafter="device"),
+            RunConfig(f"invariant-auto{d}-device", d, policy="auto", invariant=True, drafter="device")]
 
 
 def _name_list(text: str) -> list[str]:
@@ -470,10 +473,10 @@ def targets(rows: Sequence[dict], configs: Sequence[RunConfig], batch_sizes: Seq
     out.append(_target("plain decode, batch 64 (tok/s)", ">= 20000",
                        plain64["totals"]["tokens_per_s"] if plain64 else None, lambda v: v >= 20000, "B=64 plain"))
     by_name = {c.name: c for c in configs}
-    for name in sorted(n for n in names if n.startswith("auto")):
+    for name in sorted(n for n in names if by_name[n].policy == "auto"):
         cfg = by_name[name]
         fixed = [c.name for c in configs if c.policy == "always" and c.tree_size > 1 and c.drafter == cfg.drafter
-                 and not c.invariant and c.graphs and c.overlap]
+                 and c.invariant == cfg.invariant and c.graphs and c.overlap]
         for b in batch_sizes:
             row = _find(rows, b, name)
             paired = row is not None and row.get("vs_plain_paired") is not None

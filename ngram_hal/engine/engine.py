@@ -289,6 +289,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
+    def pause(self) -> None:
+        """The caller stops stepping for a while (another engine takes its turn on the device):
+        the next step's device time starts afresh, so neither the engine's idle time nor the
+        policy's step costs count the pause."""
+        if self.loop.inflight is not None:
+            self.loop.inflight.last_of_run = True
+        else:
+            self.post.idle()
+
     def step(self) -> list[RequestOutput]:
         """Run one turn of the loop (:meth:`OverlapLoop.turn <ngram_hal.engine.loop.OverlapLoop.turn>`);
         outputs of requests that advanced. Finished requests leave the engine."""

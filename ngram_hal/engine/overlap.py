@@ -61,6 +61,9 @@ class InflightStep:
             on the device, not run) equals the token the step committed.
         records: per request, the :class:`Acceptance` the policy scored a
             decode step by, which its accepted drafts are added to (empty outside ``auto``).
+        last_of_run: the engine paused after launching it (:meth:`Engine.pause
+            <ngram_hal.engine.engine.Engine.pause>`), so the next step's device time is not
+            measured from this one's end.
     """
 
     kind: str
@@ -80,6 +83,7 @@ class InflightStep:
     records: list[Acceptance] = field(default_factory=list)
     absorbed: bool = False
     wait_s: float = field(default=0.0)
+    last_of_run: bool = False
 
     def wait(self) -> None:
         """Block until the step's results are on the host; the time blocked goes to ``wait_s``."""

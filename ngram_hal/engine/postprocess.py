@@ -173,7 +173,8 @@ class Postprocessor:
         """Add the step's device time, and the device's idle time since the previous step ended
         (a prefill's own seconds also to ``prefill_s``: its device time, or its launch's where the
         runtime is the host's); returns the device seconds from the previous step's end to this
-        one's (None where the runtime does not time, or no step ran just before)."""
+        one's (None where the runtime does not time, or no step ran just before: the engine was
+        idle or paused in between)."""
         busy = step.launch_s if self.runtime.is_host else step.begin.elapsed_time(step.event) / 1e3
         if step.kind == "prefill":
             self.stats.prefill_s += busy
@@ -184,7 +185,7 @@ class Postprocessor:
         if self._last_end is not None:
             self.stats.device_idle_s += max(0.0, self._last_end.elapsed_time(step.begin) / 1e3)
             interval = self._last_end.elapsed_time(step.event) / 1e3
-        self._last_end = step.event
+        self._last_end = None if step.last_of_run else step.event
         return interval
 
     def _observe(self, step: InflightStep, rows: int, committed: int, interval: float | None) -> None:

@@ -280,7 +280,8 @@ class _Run:
         return self.busy_s + time.perf_counter() - self._slice_start
 
     def work(self, seconds: float) -> bool:
-        """Run for about ``seconds`` (whole steps, the device drained at the end); False once done."""
+        """Run for about ``seconds`` (whole steps, the device drained and the engine paused at the
+        end); False once done."""
         start = self._slice_start = time.perf_counter()
         going = True
         while going and time.perf_counter() - start < seconds:
@@ -289,6 +290,7 @@ class _Run:
             if going:
                 self._record(out)
         self.engine.backend.synchronize()
+        self.engine.pause()
         self.busy_s += time.perf_counter() - start
         return going
 

@@ -46,7 +46,8 @@ def test_quick_matrix_on_the_cpu(bench_engine, model_file, two_prompts, tmp_path
     assert report["options"]["repeats"] == 2
     assert [p["id"] for p in report["prompts"]] == ["echo", "sky"]
     names = ["plain", "plain-nooverlap", "plain-nographs", "plain-nographs-nooverlap", "spec4", "spec4-device",
-             "spec4-nooverlap", "auto4", "auto4-device", "invariant-plain", "invariant-spec4", "invariant-spec4-device"]
+             "spec4-nooverlap", "auto4", "auto4-device", "invariant-plain", "invariant-spec4", "invariant-spec4-device",
+             "invariant-auto4-device"]
     assert [c["name"] for c in report["configurations"]] == names
     assert [(r["batch"], r["run"]) for r in report["runs"]] == [(b, n) for b in (1, 2) for n in names]
 
@@ -83,14 +84,14 @@ def test_quick_matrix_on_the_cpu(bench_engine, model_file, two_prompts, tmp_path
 
     assert {(e["batch"], e["run"]) for e in report["exactness"]} == {
         (b, n) for b in (1, 2) for n in ("spec4", "spec4-device", "spec4-nooverlap", "auto4", "auto4-device",
-                                         "invariant-spec4", "invariant-spec4-device")}
+                                         "invariant-spec4", "invariant-spec4-device", "invariant-auto4-device")}
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["plain decode, batch 1 (tok/s)"]["met"] is False
     assert targets["plain decode, batch 64 (tok/s)"]["measured"] is None
     assert targets["device idle between steps, plain, batch 1 (graphs, overlap)"]["measured"] is None
     assert targets["tokens with speculation == without, default mode (requests)"]["measured"] == "20/20"
     invariant_exact = targets["tokens with speculation == without, invariant mode (requests)"]
-    assert invariant_exact["measured"] == "8/8" and invariant_exact["met"] is True
+    assert invariant_exact["measured"] == "12/12" and invariant_exact["met"] is True
     printed = capsys.readouterr().out
     assert "targets (measured; not an exit code)" in printed and "invariant-plain" in printed
 

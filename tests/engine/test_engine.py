@@ -273,6 +273,22 @@ def test_abort_while_its_step_is_in_flight(model, prompts, reference, tree_size,
     assert_all_free(engine)
 
 
+def test_pausing_between_any_steps_changes_no_token(model, prompts, reference):
+    """``Engine.pause`` (another engine's turn) marks the step in flight as the last of a run, so
+    the next step's device time starts afresh; the tokens are those of an engine never paused."""
+    engine = make(model, tree_size=8, overlap=True, drafter="device")
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=48)) for p in prompts]
+    outputs, marked = [], 0
+    while engine.has_unfinished():
+        outputs += engine.step()
+        engine.pause()
+        marked += engine.loop.inflight is not None and engine.loop.inflight.last_of_run
+    assert marked > 10
+    final = {o.rid: o for o in outputs if o.finished}
+    assert [final[rid].token_ids for rid in rids] == [ref.token_ids for ref in reference]
+    assert_all_free(engine)
+
+
 def ref_prefix(a, b):
     return b[:len(a)] == a
 

@@ -13,11 +13,14 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
 * After warm-up, a run with graphs makes no hidden host sync.
 * The layer kernels launched early (programmatic dependent launch) give the tokens of serial
   launches.
+* Engines taking turns on the device count none of each other's turns as their own idle time or
+  step costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from ngram_hal.engine.engine import Engine, EngineConfig
 from ngram_hal.engine.graphs import batch_buckets
 from ngram_hal.engine.model import LlamaModel
 from ngram_hal.engine.request import SamplingParams
+from ngram_hal.engine.workload import PromptSpec, run_side_by_side
 
 CUDA = torch.cuda.is_available() and torch.version.cuda is not None
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=6,
@@ -193,3 +197,23 @@ def test_calibration_reads_a_context_and_gives_everything_back(backend, prompts)
     auto = _generate(engine, prompts)
     _, always = _run(model, prompts, tree_size=8, drafter="device", spec_policy="always")
     assert auto == always
+
+
+@gpu
+def test_engines_taking_turns_count_no_idle_time_for_each_others_turns(backend, prompts):
+    """Side by side (``run_side_by_side``: the CLI's ``--compare``) each engine drains and pauses at
+    the end of its slice while the other runs: those pauses are not the device idling between the
+    engine's steps (nor, by the same interval, a step cost for ``auto``). With slices of 20 ms
+    against steps of about a millisecond, counting the other engine's turns would make most of
+    each run's device time idle."""
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=7)
+    cfg = dict(num_slots=4096, max_context_len=512, max_running=8)
+    engines = [(name, Engine(model, None, EngineConfig(**cfg, **extra)))
+               for name, extra in (("plain", {}), ("auto", dict(tree_size=8, drafter="device", spec_policy="auto")))]
+    for _, engine in engines:
+        _generate(engine, prompts)
+    specs = [PromptSpec(id=str(i), messages=[{"role": "user", "content": str(i)}]) for i in range(len(prompts))]
+    tokenizer = types.SimpleNamespace(encode_chat=lambda messages: prompts[int(messages[0]["content"])])
+    results = run_side_by_side(engines, tokenizer, specs, SamplingParams(max_new_tokens=200), slice_s=0.02)
+    for result in results:
+        assert result.totals.device_busy_s > 0 and result.totals.device_idle_fraction < 0.5, result.totals

@@ -18,9 +18,12 @@ as the plan of an :class:`ngram_hal.AttentionLayout`); :func:`attention` runs on
   its path computes once that path is accepted.
 
 Blocks run in chunks that keep the gathered keys and the scores within :data:`CHUNK_BYTES`. On
-the CPU in float32, blocks of one query (decode steps) outside the batch-invariant layout run
-through a compiled kernel that reads each key where it lies instead
-(:mod:`ngram_hal.kernels.cpu.attention`).
+the CPU, blocks of one query (decode steps, and every block of a batch-invariant layout) run
+through a compiled kernel that computes each query alone (:mod:`ngram_hal.kernels.cpu.attention`):
+with a float32 cache it reads each key where it lies; a half-precision cache's keys are gathered
+and widened first. torch's batched products may round a block otherwise in a call of another
+block count (MKL on an AVX-512 CPU does), so a batch-invariant layout never runs through them on
+the CPU.
 Arguments are validated by :class:`ngram_hal.Backend` before these functions run. Values the
 contract forbids (checked only in strict mode) are masked as a kernel would mask them: negative
 ``q_lens`` count as 0, queries past the runs (or past what a request's blocks hold) read as
@@ -216,10 +219,10 @@ def layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: 
 def in_place(q_pad: torch.Tensor, kv: KVCache, plan: Plan) -> bool:
     """Whether the blocks run through the compiled kernel that reads keys where they lie
     (:func:`~ngram_hal.kernels.cpu.attention.attend`): float32 on the CPU, blocks of at most
-    :data:`~ngram_hal.kernels.cpu.attention.KERNEL_QUERIES` queries (decode steps), outside the
-    batch-invariant layout (whose blocks keep torch's products, the same for every block count)."""
+    :data:`~ngram_hal.kernels.cpu.attention.KERNEL_QUERIES` queries (decode steps, and every block
+    of a batch-invariant layout)."""
     return (q_pad.device.type == "cpu" and q_pad.dtype == torch.float32 and kv.dtype == torch.float32
-            and plan.blocks.size <= KERNEL_QUERIES and not plan.invariant)
+            and plan.blocks.size <= KERNEL_QUERIES)
 
 
 def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_scale: float) -> torch.Tensor:
@@ -262,7 +265,12 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, plan: Plan | None, sm_sc
             v = kv.v[layer].index_select(0, r).view(e - s, T, H, d)
             if k.dtype != work:
                 k, v = k.to(work), v.to(work)
-            out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
+            if plan.invariant and q.device.type == "cpu":
+                # The compiled kernel over the widened copies: key column t of block g is row g * T + t.
+                read = torch.arange((e - s) * T, dtype=torch.int64).view(e - s, T)
+                attend(q_pad[s:e], k.view(-1, H, d), v.view(-1, H, d), read, blocks.mask[s:e], sm_scale, out[s:e])
+            else:
+                out[s:e] = _sdpa(q_pad[s:e], k, v, blocks.mask[s:e], sm_scale, plan.invariant)
     out = out_rows if dense else out_rows.index_select(0, blocks.flat)
     if plan.idle is not None:
         out = out.masked_fill(plan.idle[:, None, None], 0.0)

@@ -18,8 +18,9 @@ one thread count, not promised across thread counts.
 Measured on the 2-core CPU, one thread, 9 query heads over 3 KV heads of 64 (``python
 bench/bench_cpu_attention.py``): the kernel wins for one query a block and loses from three or
 four, where torch's products over the gathered keys share each key's load among the queries; so
-the reference runs blocks of :data:`KERNEL_QUERIES` query through it, and verify and prefill
-blocks through torch.
+the reference runs blocks of :data:`KERNEL_QUERIES` query through it (decode steps, and every
+block of a batch-invariant layout, which torch's batched products may round otherwise from one
+block count to another), and verify and prefill blocks through torch.
 """
 
 from __future__ import annotations

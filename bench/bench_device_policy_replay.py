@@ -31,6 +31,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_active_replay import load_outputs  # noqa: E402
+from bench_policy_replay import accepted_run  # noqa: E402
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
 from ngram_hal.cli.run import int_list  # noqa: E402
@@ -64,13 +65,7 @@ class Seat:
     def run(self, lookahead: int) -> int | None:
         """Drafts of the next chain the output would accept (up to ``lookahead``); None: no match."""
         (length,) = self.drafter.match_lengths([0])
-        if not length:
-            return None
-        chain = self.drafter.draft([0], lookahead + 1).tokens[1:].tolist()
-        run = 0
-        while run < lookahead and self.at + run < len(self.out) and chain[run] == self.out[self.at + run]:
-            run += 1
-        return run
+        return accepted_run(self.drafter, self.out, self.at, lookahead) if length else None
 
     def commit(self, k: int) -> int:
         """Commit the output's next ``k`` tokens (fewer at its end); how many."""
@@ -106,15 +101,13 @@ class Auto:
             for n, seconds in sizes.items():
                 calibrated.calibrate(bucket, n, seconds)
         self.policy = SpecPolicy(tree_size, "auto", costs=calibrated, buckets=sorted(costs))
-        self.records = {}
 
     def choose(self, bucket: int, seats: list[Seat]) -> int:
         _, records, _ = self.policy.batch(seats)
-        self.records.update((s.rid, r) for s, r in zip(seats, records))
         return self.policy.choose(bucket, records)
 
     def record(self, seat: Seat, offered: int, accepted: int) -> None:
-        self.records[seat.rid].add(offered, accepted)
+        self.policy.records[seat.rid].add(offered, accepted)
 
     def drop(self, seat: Seat) -> None:
         self.policy.drop([seat.rid])
@@ -157,9 +150,13 @@ def replay(outputs: list[tuple[list[int], list[int]]], costs: dict[int, dict[int
 
 
 def replay_rows(outputs, costs: dict[int, dict[int, float]], batch: int) -> list[dict]:
-    """Plain, every fixed size and ``auto`` at ``batch``: seconds, speedup over plain, tokens per step."""
-    sizes = sorted(set.intersection(*(set(v) for b, v in costs.items() if b <= max(batch, min(costs)))))
-    costs = {b: v for b, v in costs.items() if b <= max(batch, min(costs))}
+    """Plain, every fixed size and ``auto`` at ``batch``: seconds, speedup over plain, tokens per step,
+    over the buckets up to the smallest that holds ``batch`` and the sizes all of them know."""
+    top = min((b for b in costs if b >= batch), default=None)
+    if top is None:
+        raise ValueError(f"batch {batch}: the step costs have no batch bucket that large (largest {max(costs)})")
+    costs = {b: v for b, v in costs.items() if b <= top}
+    sizes = sorted(set.intersection(*(set(v) for v in costs.values())))
     settings = {"plain" if n == 1 else f"fixed {n}": Fixed(n) for n in sizes}
     settings[f"auto{max(sizes)}"] = Auto(costs, max(sizes))
     rows = []
@@ -192,7 +189,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "of batch bucket 1")
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    rows = [row for b in args.batch_sizes for row in replay_rows(outputs, costs, b)]
+    try:
+        rows = [row for b in args.batch_sizes for row in replay_rows(outputs, costs, b)]
+    except ValueError as exc:
+        parser.error(str(exc))
     console = make_console(160)
     table = make_table(f"device-drafter policy replayed over {len(outputs)} outputs of {args.engine_report.name}",
                        ["batch", "setting", "speedup over plain", "tokens / step (all seats)", "steps by size"],

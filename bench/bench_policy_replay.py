@@ -67,6 +67,16 @@ def parse_costs(text: str) -> dict[int, float]:
     return costs
 
 
+def accepted_run(drafter: LinearDrafter, out: list[int], at: int, lookahead: int) -> int:
+    """How many of the next ``lookahead`` drafts of request 0 of ``drafter`` equal ``out[at:]``
+    in a row: the drafts the output, playing the target, accepts."""
+    chain = drafter.draft([0], lookahead + 1).tokens[1:].tolist()
+    run = 0
+    while run < lookahead and at + run < len(out) and chain[run] == out[at + run]:
+        run += 1
+    return run
+
+
 def steps_of(prompt: list[int], out: list[int], choose: Callable[[int, int], int]):
     """Replay ``out`` after ``prompt``: yields ``(match length, accepted run, size)`` per step, the
     size from ``choose(match length, run)`` (a policy reads only the match length); the step
@@ -77,10 +87,7 @@ def steps_of(prompt: list[int], out: list[int], choose: Callable[[int, int], int
     i = 1
     while i < len(out):
         (length,) = drafter.match_lengths([0])
-        chain = drafter.draft([0], LOOKAHEAD + 1).tokens[1:].tolist()
-        run = 0
-        while run < LOOKAHEAD and i + run < len(out) and chain[run] == out[i + run]:
-            run += 1
+        run = accepted_run(drafter, out, i, LOOKAHEAD)
         size = choose(length, run)
         size = size if length else 1
         yield length, run, size

@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -56,9 +57,15 @@ SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(1
          Tiling(64, 128, 64, 8, 3), Tiling(128, 64, 64, 4, 3), Tiling(128, 128, 64, 8, 3),
          Tiling(16, 32, 256, 4, 3, 2), Tiling(16, 32, 256, 4, 3, 4), Tiling(16, 32, 256, 4, 3, 8),
          Tiling(16, 32, 128, 4, 4, 4), Tiling(16, 16, 256, 4, 3, 4), Tiling(16, 64, 128, 4, 4, 2),
-         Tiling(16, 64, 128, 4, 4, 4))
+         Tiling(16, 64, 128, 4, 4, 4),
+         Tiling(16, 32, 64, 4, 9), Tiling(16, 64, 64, 4, 9), Tiling(32, 64, 64, 4, 9), Tiling(64, 64, 64, 4, 6),
+         Tiling(16, 64, 128, 4, 5), Tiling(32, 64, 128, 4, 5), Tiling(16, 16, 256, 4, 8), Tiling(16, 32, 256, 4, 6))
 """Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`. Those
-that split K are timed up to :data:`SPLIT_MAX_ROWS` rows."""
+that split K are timed up to :data:`SPLIT_MAX_ROWS` rows. The last eight pipeline deep: with 5-9 stages a
+program has most or all of a short reduction's loads (SmolLM2's K of 576 is nine steps of 64) in flight at
+once, as the vendor BLAS's kernels for these shapes do (16 stages of 64), where 3-4 stages wait on memory
+several times a walk. A tiling whose stages do not fit a program's shared memory on the device is
+skipped there."""
 SPLIT_MAX_ROWS = 64
 QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64), Tiling(16, 16, 64, split_k=2))
 WEIGHT_BYTES = 256 << 20
@@ -100,8 +107,9 @@ def output(kind, kernels, linear, x) -> torch.Tensor:
     return (residual if out is None else out).float()
 
 
-def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
-    """Rows of one shape: every product, row count and candidate."""
+def time_shape(name: str, config, args, backend, dtype, console, skipped: list[dict]) -> list[dict]:
+    """Rows of one shape: every product, row count and candidate; the candidates that do not fit
+    the device (shared memory) are added to ``skipped`` instead."""
     kernels = TritonLayerKernels(config, backend, dtype)
     base = backend.launch
     sweep = QUICK_SWEEP if args.quick else SWEEP
@@ -126,7 +134,12 @@ def time_shape(name: str, config, args, backend, dtype, console) -> list[dict]:
             apart_us = None
             for tiling in (None, *(t for t in sweep if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
                 forced(kernels, base, (n, k), rows, tiling)
-                got = output(kind, kernels, linears[0], x)
+                try:
+                    got = output(kind, kernels, linears[0], x)
+                except OutOfResources as exc:
+                    skipped.append({"shape": name, "product": kind, "rows": rows, "tiling": list(tiling),
+                                    "reason": str(exc)})
+                    continue
                 err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
                 if err > AGREE:
                     raise SystemExit(f"{name} {kind} rows={rows} {tiling}: differs from the steps apart by {err:.3g} "
@@ -227,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if interpreting() else default_dtype(device)
     console = make_console()
     bandwidth = None if device.type == "cpu" else backend.runtime.copy_bandwidth(1 << 30)
-    results = []
+    results, skipped = [], []
     for spec in args.shapes.split(","):
         name, config = load_shape(spec)
-        results += time_shape(name, config, args, backend, dtype, console)
+        results += time_shape(name, config, args, backend, dtype, console, skipped)
+    if skipped:
+        console.print(f"{len(skipped)} candidate calls skipped: their stages do not fit the device's shared memory "
+                      f"({', '.join(sorted({Tiling(*s['tiling']).label for s in skipped}))})")
     table = make_table("the model's products: us of device time per call (graph), weight GB/s",
                        ["shape", "product", "rows", "apart us", "best", "best us", "GB/s", "of copy bw", "vs apart"],
                        left=["shape", "product", "best"])
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
     source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))} at {commit()}"
     report = {**report_header("ngram-hal/bench-products/1", backend), "dtype": str(dtype).removeprefix("torch."),
-              "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+              "copy_bandwidth_bytes_per_s": bandwidth, "results": results, "skipped": skipped}
     if args.write_table:
         chosen = choose_table(results, device_name, dtype, source)
         if Path(args.write_table).exists():

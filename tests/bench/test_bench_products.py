@@ -33,6 +33,30 @@ def test_quick_run_checks_every_product_and_candidate(bench_products, tmp_path):
     assert all(r["max_rel_diff"] < 1e-4 and r["us"] is None for r in results), "float32, and no timings on the CPU"
 
 
+
+@pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
+def test_a_tiling_whose_stages_do_not_fit_the_device_is_skipped_and_listed(bench_products, tmp_path, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    real = bench_products.output
+
+    def output(kind, kernels, linear, x):
+        if kernels.launch.products.shapes[0].by_rows[0].tiling == Tiling(16, 16, 64):
+            raise OutOfResources(232448, 232448 // 2, "shared memory")
+        return real(kind, kernels, linear, x)
+
+    monkeypatch.setattr(bench_products, "output", output)
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 64}))
+    out = tmp_path / "products.json"
+    bench_products.main(["--device", "cpu", "--shapes", str(shape), "--rows", "1,3", "--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert {r["candidate"] for r in report["results"]} == {"apart", "16x32x256", "16x16x64/k2"}
+    assert len(report["skipped"]) == 5 * 2
+    assert {tuple(s["tiling"]) for s in report["skipped"]} == {tuple(Tiling(16, 16, 64))}
+    assert all("shared memory" in s["reason"] for s in report["skipped"])
+
 def test_a_table_needs_timings(bench_products, tmp_path):
     with pytest.raises(SystemExit, match="--write-table needs timings"):
         bench_products.main(["--device", "cpu", "--shapes", "smollm2-135m", "--rows", "1", "--quick",

@@ -31,7 +31,7 @@ from common import make_console, make_table, report_header, write_report  # noqa
 from step_profile import count_events  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.cli.run import DTYPES, default_drafter, default_tree_size  # noqa: E402
+from ngram_hal.cli.run import DTYPES, default_drafter, default_tree_size, int_list  # noqa: E402
 from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
 from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402
@@ -48,24 +48,13 @@ BOUNDS = ("cap", "none")
 row where the engine has no bound: no captured steps)."""
 
 
-def counts(text: str) -> list[int]:
-    """``--requests``: comma-separated positive ints."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
-    return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="torch device (default cpu)")
     ap.add_argument("--backend", default="auto", help="backend name (default: the device's own)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     ap.add_argument("--prompts", default="bench/data/workload-check.jsonl", help="prompts JSONL")
-    ap.add_argument("--requests", type=counts, default=[1, 2, 4], help="prompts a case takes (default 1,2,4)")
+    ap.add_argument("--requests", type=int_list, default=[1, 2, 4], help="prompts a case takes (default 1,2,4)")
     ap.add_argument("--reps", type=int, default=20, help="timed runs a case (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed runs a case first (default 3)")
     ap.add_argument("--profile", type=int, default=5, help="profiled runs a cap case on CUDA (default 5; 0: none)")

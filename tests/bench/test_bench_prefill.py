@@ -25,7 +25,8 @@ def test_one_prompt_is_one_prefill_step(bench, model_file, two_prompts, tmp_path
     assert case["ms_per_run"] == pytest.approx(case["ms_per_step"]) and case["ms_per_step"] > 0
 
 
-@pytest.mark.parametrize("argv,message", [(["--requests", "0"], "at least 1"), (["--requests", "a"], "ints"),
+@pytest.mark.parametrize("argv,message", [(["--requests", "0"], "greater than or equal to 1"),
+                                          (["--requests", "a"], "valid integer"),
                                           (["--reps", "0"], "too few")])
 def test_bad_options_are_refused(bench, argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -6,6 +6,7 @@ interpreter on the CPU (``tests/conftest.py``) or compiled on a CUDA device."""
 from __future__ import annotations
 
 import random
+import types
 from dataclasses import replace
 
 import pytest
@@ -276,3 +277,32 @@ def test_active_queries_keep_their_bits(tree, prefix, mode):
     active = torch.cat([torch.arange(D, device=DEVICE) < k for k in q_active.tolist()])
     assert bool((got[~active] == 0).all()), "a query past q_active has a nonzero row"
     assert_invariant(got[active], full[active], "the active queries against the call without q_active")
+
+
+@pytest.mark.parametrize("block_q", [1, 5, 16])
+@pytest.mark.parametrize("batch", [1, 7, 40])
+def test_the_plan_kernel_tiles_each_request_in_order(block_q, batch):
+    """The attention plan's one kernel: the query lengths (negatives as 0), their offsets, and the
+    tile table of ``block_q`` queries a tile, entry by entry as the batch's requests cut into
+    tiles give it, the tiles past the last request marked with B."""
+    from ngram_hal.kernels.triton.attention import Plan
+
+    gen = torch.Generator().manual_seed(block_q * 100 + batch)
+    q_lens = torch.randint(-2, 40, (batch,), generator=gen)
+    q_lens[0] = max(int(q_lens[0]), 1)
+    lens = q_lens.clamp(min=0)
+    N = int(lens.sum())
+    layout = types.SimpleNamespace(q_lens=q_lens.to(DEVICE), batch_size=batch, num_queries=N)
+    plan = Plan(layout, CudaBackend.launch)
+    tiles = plan.tiles(block_q)
+    want_req, want_q0 = [], []
+    for b, n in enumerate(lens.tolist()):
+        for q0 in range(0, n, block_q):
+            want_req.append(b)
+            want_q0.append(q0)
+    count = min(N, (N + batch * (block_q - 1)) // block_q)
+    assert count >= len(want_req)
+    assert tiles.req.tolist() == want_req + [batch] * (count - len(want_req))
+    assert tiles.q0.tolist()[:len(want_q0)] == want_q0
+    assert plan.q_lens.tolist() == lens.tolist()
+    assert plan.q_start.tolist() == (torch.cumsum(lens, 0) - lens).tolist()

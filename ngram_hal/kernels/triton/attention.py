@@ -284,6 +284,29 @@ def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.con
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["B", "count"])
+def plan_kernel(q_lens_ptr, q_lens_out, q_start_out, tile_req_out, tile_q0_out, B, count,
+                BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: the batch's query lengths (negatives as 0) and offsets, and its tile table for
+    tiles of ``BLOCK_Q`` queries: tile t belongs to the request whose tiles' running count first
+    passes t (B past the last), and starts at query ``q0`` of it."""
+    b = tl.arange(0, BLOCK_B)
+    in_batch = b < B
+    q_lens = tl.maximum(tl.load(q_lens_ptr + b, mask=in_batch, other=0), 0)
+    tl.store(q_lens_out + b, q_lens, mask=in_batch)
+    tl.store(q_start_out + b, tl.cumsum(q_lens, 0) - q_lens, mask=in_batch)
+    per_req = (q_lens + BLOCK_Q - 1) // BLOCK_Q
+    ends = tl.cumsum(per_req, 0)
+    first = ends - per_req
+    for t0 in range(0, count, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        req = tl.sum(((ends[None, :] <= t[:, None]) & in_batch[None, :]).to(tl.int64), 1)
+        owner = tl.minimum(req, B - 1)
+        start = tl.sum(tl.where(b[None, :] == owner[:, None], first[None, :], 0), 1)
+        tl.store(tile_req_out + t, req, mask=t < count)
+        tl.store(tile_q0_out + t, (t - start) * BLOCK_Q, mask=t < count)
+
+
 @dataclass
 class _Tiles:
     """The tile table for one tile height: ``req[t]`` (B for an unused tile) and ``q0[t]``."""
@@ -294,15 +317,17 @@ class _Tiles:
 
 
 class Plan:
-    """The per-forward metadata of :func:`attention`: query offsets and, per tile height, the
-    tile table (built on first use; every layer of a forward uses the same height)."""
+    """The per-forward metadata of :func:`attention`: query lengths and offsets and, per tile
+    height, the tile table, made by :func:`plan_kernel` on first use (every layer of a forward
+    uses the same height; the lengths and offsets are valid once a table is made)."""
 
-    def __init__(self, layout: AttentionLayout):
-        q_lens = layout.q_lens.clamp(min=0)
-        self.q_lens = q_lens
-        self.q_start = torch.cumsum(q_lens, 0) - q_lens
+    def __init__(self, layout: AttentionLayout, cfg: LaunchConfig):
+        self._raw_q_lens = layout.q_lens
+        self.q_lens = torch.empty_like(layout.q_lens)
+        self.q_start = torch.empty_like(layout.q_lens)
         self._tiles: dict[int, _Tiles] = {}
         self._path: torch.Tensor | None = None
+        self._cfg = cfg
         self.batch_size = layout.batch_size
         self.num_queries = layout.num_queries
 
@@ -322,23 +347,25 @@ class Plan:
         return self._path
 
     def tiles(self, block_q: int) -> _Tiles:
+        """The tile table for tiles of ``block_q`` queries (``block_q`` int64 tables of a host
+        bound on the tiles: ``min(N, (N + B * (block_q - 1)) // block_q)``)."""
         found = self._tiles.get(block_q)
         if found is None:
             B, N = self.batch_size, self.num_queries
             count = min(N, (N + B * (block_q - 1)) // block_q)
-            per_req = (self.q_lens + block_q - 1) // block_q
-            ends = torch.cumsum(per_req, 0)
-            t = torch.arange(count, dtype=torch.int64, device=self.q_lens.device)
-            req = torch.searchsorted(ends, t, right=True)
-            first = (ends - per_req).index_select(0, req.clamp(max=B - 1))
-            found = _Tiles(block_q, req, (t - first) * block_q)
+            device = self._raw_q_lens.device
+            found = _Tiles(block_q, torch.empty(count, dtype=torch.int64, device=device),
+                           torch.empty(count, dtype=torch.int64, device=device))
+            plan_kernel[(1,)](self._raw_q_lens, self.q_lens, self.q_start, found.req, found.q0, B, count,
+                              BLOCK_Q=block_q, BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_T=32,
+                              num_warps=self._cfg.num_warps, **self._cfg.options())
             self._tiles[block_q] = found
         return found
 
 
 def attention_layout(layout: AttentionLayout, cfg: LaunchConfig) -> Plan:
     """The plan of one batch: built once, used by every layer's :func:`attention`."""
-    return Plan(layout)
+    return Plan(layout, cfg)
 
 
 def _pow2(n: int) -> int:

@@ -2,10 +2,10 @@
 backend's product table.
 
 For each shape (``--shapes``: presets of :data:`ngram_hal.engine.shapes.PRESETS` or JSON files) the
-five products of a decode step (QKV after the attention norm, the output projection and its residual
-add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run through the
+five products of a decode step (QKV after the attention norm, with the rotary embedding and the K/V
+store after it, the output projection and its residual add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run through the
 engine's own Triton model kernels at each row count of ``--rows``, once per candidate: the steps
-apart (the norm kernel, cuBLAS, the SwiGLU kernel) and the fused product in each tiling of
+apart (the norm kernel, cuBLAS, the rotary or the SwiGLU kernel) and the fused product in each tiling of
 :data:`SWEEP` (those that split K up to 64 rows). A candidate must agree with the steps apart before
 it is timed. Time is device time per call from a CUDA graph that cycles through copies of the weight
 (at least 256 MB of them, more than the L2 cache, as a model's layers are), reported with the
@@ -48,6 +48,7 @@ from ngram_hal.engine.shapes import load_shape  # noqa: E402
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels, TritonLinear  # noqa: E402
 from ngram_hal.kernels.triton import interpreting  # noqa: E402
 from ngram_hal.kernels.triton.products import ProductTable, RowsChoice, ShapeChoice, Tiling  # noqa: E402
+from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
@@ -80,11 +81,22 @@ def projections(config) -> dict[str, tuple[int, int]]:
             "lm_head": (config.vocab_size, hd)}
 
 
-def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.Tensor, residual: torch.Tensor):
-    """One product as the model runs it: float[rows, K] in; the output, or None where the
-    residual add was done in place."""
+class Step:
+    """What a layer's QKV step writes besides its output: one layer's K/V cache of ``rows`` slots,
+    every row's position and slot its own index."""
+
+    def __init__(self, config, rows: int, dtype: torch.dtype, device: torch.device):
+        self.kv = KVCache(1, rows, config.num_kv_heads, config.head_dim, dtype, device)
+        self.index = torch.arange(rows, dtype=torch.int64, device=device)
+
+
+def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.Tensor, residual: torch.Tensor,
+         step: Step):
+    """One product as the model runs it: float[rows, K] in; the output (for QKV the rotated
+    queries, K/V stored into ``step``'s cache), or None where the residual add was done in place."""
     if kind == "qkv":
-        return kernels.norm_linear(x, None, linear)
+        rows = step.index[:x.shape[0]]
+        return kernels.norm_rope_store(x, None, linear, rows, step.kv, 0, rows)
     if kind == "gate_up":
         return kernels.norm_swiglu(x, None, linear)
     if kind == "lm_head":
@@ -100,10 +112,10 @@ def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], row
     kernels.launch = dataclasses.replace(base, products=table)
 
 
-def output(kind, kernels, linear, x) -> torch.Tensor:
+def output(kind, kernels, linear, x, step: Step) -> torch.Tensor:
     """The product's result on ``x`` (a residual add's increment on a zero residual), float32."""
     residual = torch.zeros((x.shape[0], linear.weight.shape[0]), dtype=x.dtype, device=x.device)
-    out = call(kind, kernels, linear, x, residual)
+    out = call(kind, kernels, linear, x, residual, step)
     return (residual if out is None else out).float()
 
 
@@ -123,19 +135,20 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
                    for _ in range(copies)]
         out_n = n // 2 if kind == "gate_up" else n
         x_all = torch.randn((max(args.rows), k), generator=gen, device=backend.device).to(dtype)
+        step = Step(config, max(args.rows), dtype, backend.device)
         # Every fused candidate's rows are compared with the first tiling's on the most rows.
         forced(kernels, base, (n, k), max(args.rows), sweep[0])
-        reference = output(kind, kernels, linears[0], x_all)
+        reference = output(kind, kernels, linears[0], x_all, step)
         for rows in args.rows:
             x = x_all[:rows]
             residual = torch.zeros((rows, out_n), dtype=dtype, device=backend.device)
             forced(kernels, base, (n, k), rows, None)
-            want = output(kind, kernels, linears[0], x)
+            want = output(kind, kernels, linears[0], x, step)
             apart_us = None
             for tiling in (None, *(t for t in sweep if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
                 forced(kernels, base, (n, k), rows, tiling)
                 try:
-                    got = output(kind, kernels, linears[0], x)
+                    got = output(kind, kernels, linears[0], x, step)
                 except OutOfResources as exc:
                     skipped.append({"shape": name, "product": kind, "rows": rows, "tiling": list(tiling),
                                     "reason": str(exc)})
@@ -146,7 +159,7 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
                                      "of the largest value")
                 same_bits = None if tiling is None else torch.equal(got, reference[:rows])
                 turn = iter(range(1 << 62))
-                ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual),
+                ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual, step),
                               backend.device, copies, args.replays)
                 us = None if ms is None else 1e3 * ms
                 apart_us = us if tiling is None else apart_us

@@ -19,7 +19,8 @@ each batch twice, the projections' products as the cuda backend's sweep table fo
 them (``bench/bench_products.py``; the backend's default) and by the fixed rule, side by side (or by
 a table file: ``--products table,old.json``); ``--pdl on,off`` likewise with the layer kernels
 launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one after
-another. ``--transformers`` adds transformers' ``generate`` with a static cache on the same shape
+another; ``--rope on,off`` likewise with the QKV product that also rotates and stores K/V (the
+Triton backends' default) and the rotary kernel after the product. ``--transformers`` adds transformers' ``generate`` with a static cache on the same shape
 (its own random weights), batch 1. ``--launch FIELD=VALUE,...`` sets fields of the Triton launch
 configuration for every row. ``--profile-steps N`` adds to each row, on CUDA, N decode steps under
 the profiler: kernels, launches and device time a step, and the costliest kernels
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -129,27 +131,31 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None, flo
     if not triton and args.pdl not in (None, ["off"]):
         raise SystemExit(f"--pdl {','.join(args.pdl)}: the {model.backend.name} backend's model kernels "
                          "launch without programmatic dependent launch")
+    if not triton and args.rope not in (None, ["off"]):
+        raise SystemExit(f"--rope {','.join(args.rope)}: the {model.backend.name} backend's model kernels "
+                         "have no QKV product that rotates")
     if args.launch and not triton:
         raise SystemExit(f"--launch: the {model.backend.name} backend's model kernels have no Triton launch "
                          "configuration")
     # The backend's own launch holds its GPU's product table and launch mode (and --launch's fields).
     launch = model.kernels.launch if triton else None
     if args.launch:
-        settable = {f.name for f in dataclasses.fields(launch)} - {"products", "pdl"}
+        settable = {f.name for f in dataclasses.fields(launch)} - {"products", "pdl", "rope_in_product"}
         unknown = sorted(set(args.launch) - settable)
         if unknown:
-            raise SystemExit(f"--launch {','.join(unknown)}: no such LaunchConfig field (--products and --pdl set "
-                             "those two)")
+            raise SystemExit(f"--launch {','.join(unknown)}: no such LaunchConfig field (--products, --pdl and "
+                             "--rope set those three)")
         launch = dataclasses.replace(launch, **args.launch)
     product_modes = args.products or ["table" if launch is not None and launch.products is not None else "fixed"]
     pdl_modes = args.pdl or ["on" if launch is not None and launch.pdl else "off"]
+    rope_modes = args.rope or ["on" if launch is not None and launch.rope_in_product else "off"]
     for batch in args.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        for products, pdl in ((p, d) for p in product_modes for d in pdl_modes):
+        for products, pdl, rope in itertools.product(product_modes, pdl_modes, rope_modes):
             if triton:
                 # The model's kernels and the backend's attention launch alike.
                 model.kernels.launch = model.backend.launch = dataclasses.replace(
-                    launch, products=product_table(products, launch), pdl=pdl == "on")
+                    launch, products=product_table(products, launch), pdl=pdl == "on", rope_in_product=rope == "on")
             plain_ms = None
             for tree_size in (1, args.tree_size):
                 config = EngineConfig(tree_size=tree_size, drafter="device", spec_policy="always",
@@ -163,6 +169,7 @@ def engine_rows(name: str, model: LlamaModel, args, bandwidth: float | None, flo
                 tokens = batch * (args.new_tokens - 1)
                 ms = 1e3 * seconds / max(steps, 1)
                 row = {"shape": name, "batch": batch, "tree_size": tree_size, "products": products, "pdl": pdl,
+                       "rope": rope,
                        "decode_tokens_per_s": tokens / seconds, "ms_per_step": ms, "steps": steps,
                        "turn_ms_median": 1e3 * statistics.median(turns) if turns else None,
                        "turn_ms_max": 1e3 * max(turns) if turns else None}
@@ -224,9 +231,10 @@ TARGETS = (("llama-8b", "plain decode, batch 1, share of the weight-streaming li
 
 
 def targets(rows: list[dict], tree_size: int) -> list[dict]:
-    """The issue's targets, measured where this run has the row (the first ``--products`` and
-    ``--pdl`` modes')."""
-    rows = [r for r in rows if (r["products"], r["pdl"]) == (rows[0]["products"], rows[0]["pdl"])] if rows else rows
+    """The issue's targets, measured where this run has the row (the first ``--products``, ``--pdl``
+    and ``--rope`` modes')."""
+    modes = ("products", "pdl", "rope")
+    rows = [r for r in rows if all(r[m] == rows[0][m] for m in modes)] if rows else rows
     found = []
     for shape, what, goal in TARGETS:
         row = next((r for r in rows if r["shape"] == shape and r["batch"] == 1 and r["tree_size"] == 1), None)
@@ -261,12 +269,12 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
     console.print(table)
     table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest; roof: the lower "
                        "roofline, m set by bytes, c by operations)",
-                       ("shape", "B", "products", "pdl", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
+                       ("shape", "B", "products", "pdl", "rope", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
                         "roof tok/s", "of roof", "step / plain", "transformers tok/s"), left=("shape",))
     for r in rows:
         other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
                      None)
-        table.add_row(r["shape"], str(r["batch"]), r["products"], r["pdl"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
+        table.add_row(r["shape"], str(r["batch"]), r["products"], r["pdl"], r["rope"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
                       f"{r['ms_per_step']:.3f}",
                       "-" if r["turn_ms_median"] is None else f"{r['turn_ms_median']:.2f} / {r['turn_ms_max']:.1f}",
                       f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
@@ -303,6 +311,9 @@ def main(argv=None) -> None:
     parser.add_argument("--pdl", type=modes("on", "off"), default=None, metavar="on,off",
                         help="the layer kernels launched early (programmatic dependent launch) or one after another, "
                              "or both side by side (default: the backend's own)")
+    parser.add_argument("--rope", type=modes("on", "off"), default=None, metavar="on,off",
+                        help="the QKV product rotating queries and keys and storing K/V itself, or the rotary kernel "
+                             "after it, or both side by side (default: the backend's own)")
     parser.add_argument("--launch", type=launch_settings, default={}, metavar="FIELD=VALUE,...",
                         help="override fields of the Triton launch configuration (LaunchConfig: an int, true, false "
                              "or none; --products and --pdl set those two)")

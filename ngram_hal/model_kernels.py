@@ -8,8 +8,9 @@ layers. A backend with kernels of its own returns a subclass from
 :meth:`Backend.layer_kernels <ngram_hal.backend.Backend.layer_kernels>` (the Triton backends:
 :class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`).
 
-A layer runs as ``norm_linear`` (QKV), ``rope_store``, attention, ``linear_add`` (output
-projection), ``norm_swiglu`` (gate/up and SwiGLU), ``linear_add`` (down). ``linear_add`` either
+A layer runs as ``norm_rope_store`` (QKV: ``norm_linear`` then ``rope_store``, which a backend
+may fuse), attention, ``linear_add`` (output projection), ``norm_swiglu`` (gate/up and SwiGLU),
+``linear_add`` (down). ``linear_add`` either
 adds its product to the residual stream at once and returns None, or returns it as the pending
 ``delta`` that the next norm adds. ``fold_norm`` says how a layer keeps each norm's weight: apart,
 or folded into the projection after it, and ``linear`` makes the model's linear layers (a
@@ -136,6 +137,12 @@ class TorchLayerKernels:
         q, k = qk.split([Hq, H], dim=1)
         self.backend.store_kv(kv, layer, out_cache_loc, k.contiguous(), v.reshape(N, H, d).contiguous())
         return q.contiguous()
+
+    def norm_rope_store(self, x: torch.Tensor, norm: torch.Tensor | None, linear: Linear, rope, kv: KVCache,
+                        layer: int, out_cache_loc: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The QKV step of a layer: ``rope_store(rope, norm_linear(x, norm, linear, delta), kv, layer,
+        out_cache_loc)``; x float[N, hidden] -> the rotated queries float[N, Hq, d], K/V stored."""
+        return self.rope_store(rope, self.norm_linear(x, norm, linear, delta), kv, layer, out_cache_loc)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of the fused gate/up projection float[N, 2I] -> float[N, I]."""

@@ -51,7 +51,7 @@ FAULTS = (
     "batch invariance not kept",
 )
 BOTH = ("on", "off")
-MODEL_KERNELS = ("norm", "rope_store", "swiglu", "linear_add", "lookup")
+MODEL_KERNELS = ("norm", "rope_store", "norm_rope_store", "swiglu", "linear_add", "lookup")
 """The model kernels (:class:`~ngram_hal.model_kernels.TorchLayerKernels` methods) mutants break."""
 
 
@@ -1063,6 +1063,18 @@ class RotaryStoresIntoLayerZero(KernelMutant):
 
     fault, op, kernels = "partial writes", "rope_store", _RotaryIntoLayerZero
     caught_by = tuple(f"test_model_kernels.py::test_rotary_and_kv_store_match_torch[{n}]" for n in (1, 3, 40))
+
+
+class _QkvStepShiftsSlots(TorchLayerKernels):
+    def norm_rope_store(self, x, norm, linear, rope, kv, layer, out_cache_loc, delta=None):
+        return super().norm_rope_store(x, norm, linear, rope, kv, layer, out_cache_loc.roll(1), delta)
+
+
+class QkvStepStoresIntoTheNextRowsSlot(KernelMutant):
+    """The fused QKV step writes each token's K/V into the slot of the token before it."""
+
+    fault, op, kernels = "off-by-one", "norm_rope_store", _QkvStepShiftsSlots
+    caught_by = tuple(f"test_model_kernels.py::test_qkv_step_matches_torch[{n}]" for n in (3, 40))
 
 
 class _SwigluSwapped(TorchLayerKernels):

@@ -101,6 +101,36 @@ def test_rotary_and_kv_store_match_torch(backend, rows):
 
 @conformance
 @pytest.mark.parametrize("rows", ROWS)
+def test_qkv_step_matches_torch(backend, rows):
+    """``norm_rope_store``, a layer's QKV step as the model runs it (the norm weight kept the way
+    the kernels keep it, ``fold_norm``): the rotated queries, and K/V written to exactly the listed
+    slots of the layer (-1 skipped), as the oracle's ``norm_linear`` then
+    ``rope_store`` give them."""
+    kernels, oracle, dtype = _pair(backend)
+    gen = torch.Generator().manual_seed(150 + rows)
+    dev, cfg = backend.device, CONFIG
+    Hq, H, d, Hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    num_slots = 64
+    norm = _randn(gen, Hd, dtype=dtype, device=dev, scale=0.1) + 1
+    weight = _randn(gen, (Hq + 2 * H) * d, Hd, dtype=dtype, device=dev, scale=Hd ** -0.5)
+    x = _randn(gen, rows, Hd, dtype=dtype, device=dev)
+    positions = torch.randint(0, cfg.max_position_embeddings, (rows,), generator=gen).to(dev)
+    locs = torch.randperm(num_slots, generator=gen)[:rows]
+    locs[rows // 2] = -1  # a padding row stores nothing
+    locs = locs.to(dev)
+    caches = [KVCache(cfg.num_layers, num_slots, H, d, dtype=dtype, device=dev) for _ in range(2)]
+    mine_norm, mine_weight = kernels.fold_norm(norm, weight)
+    q_got = kernels.norm_rope_store(x.clone(), mine_norm, _linear(kernels, mine_weight), kernels.rope(positions),
+                                    caches[0], 1, locs)
+    q_want = oracle.norm_rope_store(x.clone(), norm, _linear(oracle, weight), oracle.rope(positions), caches[1], 1,
+                                    locs)
+    _close(q_got, q_want, dtype, "rotated queries")
+    for name in ("k", "v"):
+        _close(getattr(caches[0], name), getattr(caches[1], name), dtype, f"the {name.upper()} cache after norm_rope_store")
+
+
+@conformance
+@pytest.mark.parametrize("rows", ROWS)
 def test_swiglu_matches_torch(backend, rows):
     kernels, oracle, dtype = _pair(backend)
     gen = torch.Generator().manual_seed(200 + rows)

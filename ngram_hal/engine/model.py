@@ -261,8 +261,7 @@ class LlamaModel:
         x = self.embed.rows(batch.input_ids)
         delta = None
         for i, layer in enumerate(self.layers):
-            qkv = kernels.norm_linear(x, layer.attn_norm, layer.wqkv, delta)
-            q = kernels.rope_store(rope, qkv, kv, i, batch.out_cache_loc)
+            q = kernels.norm_rope_store(x, layer.attn_norm, layer.wqkv, rope, kv, i, batch.out_cache_loc, delta)
             o = be.attention(q, kv, i, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, batch.q_lens,
                              self.scale, tree_mask, max_kv_len, layout)
             delta = self._row_parallel(o.reshape(N, q_size), layer.wo, x)

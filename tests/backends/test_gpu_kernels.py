@@ -19,7 +19,7 @@ from ngram_hal.kernels.gpu.argmax import BLOCK, argmax  # noqa: E402
 from ngram_hal.kernels.gpu.matmul import INVARIANT, Tiling, fold_norm, fused_linear, invariant_linear  # noqa: E402
 from ngram_hal.kernels.triton.counters import TILE_COUNTERS, tile_counters  # noqa: E402
 from ngram_hal.kernels.gpu.norm import rms_norm  # noqa: E402
-from ngram_hal.kernels.gpu.rotary import rope_table, rotary_store  # noqa: E402
+from ngram_hal.kernels.gpu.rotary import RopeStore, rope_table, rotary_store  # noqa: E402
 from ngram_hal.kernels.gpu.swiglu import swiglu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,3 +162,49 @@ def test_wrappers_refuse_bad_shapes():
         argmax(x.t())
     with pytest.raises(ValueError, match="argmax: the vocabulary must hold"):
         argmax(torch.zeros(2, 0, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tiling", [INVARIANT, Tiling(16, 16, 64), Tiling(16, 64, 32), Tiling(16, 32, 32, split_k=3)],
+                         ids=["invariant", "16x16x64", "16x64x32", "16x32x32-split3"])
+def test_fused_qkv_product_rotates_and_stores_as_the_rotary_kernel(dtype, tiling):
+    """The QKV product with ``rope``: the queries it returns and the K/V it writes are what the
+    rotary kernel makes of the product's output in the tiling of the same program shape (a program
+    of the rotating product takes ``max(16, block_n / 2)`` column pairs): bit for bit where the
+    kernels compile (``numerics``); rows with a slot of -1 or outside the cache store nothing, and
+    no other slot is touched."""
+    Hq, H, d, S, K = 6, 2, 16, 9, 80
+    M = 5
+    x = _randn(M, K, dtype=dtype, seed=15)
+    w = fold_norm(_randn((Hq + 2 * H) * d, K, dtype=dtype, seed=16), _randn(K, dtype=dtype, seed=17))
+    positions = torch.tensor([0, 5, 17, 200, 3], device=DEVICE)
+    locs = torch.tensor([2, -1, 7, S, 0], device=DEVICE)
+    config = LlamaConfig(vocab_size=8, hidden_size=K, intermediate_size=8, num_layers=1, num_heads=Hq,
+                         num_kv_heads=H, head_dim=d)
+    table = rope_table(rope_frequencies(config, DEVICE), 64)
+    caches = [(torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE), torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE))
+              for _ in range(2)]
+    qkv = fused_linear(x, w, norm_eps=1e-5, tiling=tiling._replace(block_n=max(16, tiling.block_n // 2)))
+    want = rotary_store(qkv, positions, table, *caches[0], locs, Hq, H)
+    got = fused_linear(x, w, norm_eps=1e-5, tiling=tiling,
+                       rope=RopeStore(positions, table, *caches[1], locs, Hq, H))
+    assert got.shape == (M, Hq, d) and got.dtype == dtype
+    assert_invariant(got, want, "the rotated queries against the rotary kernel's")
+    for name, mine, theirs in zip("KV", caches[1], caches[0]):
+        assert_invariant(mine, theirs, f"the {name} cache against the rotary kernel's")
+    untouched = [i for i in range(S + 1) if i not in (0, 2, 7)]
+    assert not caches[1][0][untouched].any() and not caches[1][1][untouched].any(), "a -1 or out-of-range slot was stored"
+
+
+def test_fused_qkv_product_refuses_a_layout_that_does_not_fit():
+    Hq, H, d = 6, 2, 16
+    x, w = _randn(3, 32, dtype=torch.float32, seed=18), _randn((Hq + 2 * H) * d - 2, 32, dtype=torch.float32, seed=19)
+    cache = torch.zeros(4, H, d, device=DEVICE)
+    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=Hq,
+                         num_kv_heads=H, head_dim=d)
+    rope = RopeStore(torch.zeros(3, dtype=torch.int64, device=DEVICE), rope_table(rope_frequencies(config, DEVICE), 8),
+                     cache, cache.clone(), torch.zeros(3, dtype=torch.int64, device=DEVICE), Hq, H)
+    with pytest.raises(ValueError, match=r"fused_linear: qkv must have 160 columns \(6 \+ 2 x 2 heads of 16\), got 158"):
+        fused_linear(x, w, rope=rope)
+    with pytest.raises(ValueError, match=r"fused_linear: positions must be int64\[2\]"):
+        fused_linear(x[:2].contiguous(), _randn(160, 32, dtype=torch.float32, seed=20), rope=rope)

@@ -72,6 +72,9 @@ for name, (Hq, H, d, T, BQ, BM, BN, split, path, part, fold, dtype) in ATTENTION
                                     dict(Hq=Hq, H=H, HEAD_DIM=d, TREE_D=T, BLOCK_Q=BQ, BLOCK_M=BM, BLOCK_N=BN,
                                          BLOCK_D=d, SPLIT=split, EVEN=not path, PATH=path, PART=part, FOLD=fold,
                                          IEEE=dtype == F32P, UPCAST=False, PDL=False), 4)
+KERNELS["attention plan"] = ("triton.attention", "plan_kernel",
+                             dict(q_lens_ptr=I64P, q_lens_out=I64P, q_start_out=I64P, tile_req_out=I64P,
+                                  tile_q0_out=I64P, B="i32", count="i32"), dict(BLOCK_Q=5, BLOCK_B=16, BLOCK_T=32), 4)
 KERNELS["attention merge"] = ("triton.attention", "merge_kernel",
                               dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, ROWS="i32", SPLITS="i32"),
                               dict(HEAD_DIM=64, BLOCK_R=8, BLOCK_S=16, BLOCK_D=64, SKIP_EMPTY=True, PDL=False), 4)
@@ -88,23 +91,25 @@ KERNELS["row_argmax"] = ("gpu.argmax", "row_argmax_kernel", dict(best_ptr=F32P, 
                                                                 blocks="i32", V="i32"), dict(BLOCK_B=32, PDL=False), 1)
 KERNELS["swiglu"] = ("gpu.swiglu", "swiglu_kernel", dict(x_ptr=BF16P, out_ptr=BF16P, inter="i32"),
                      dict(BLOCK=1024, PDL=False), 4)
-# (norm, glu, add, K splits): the projections' kinds, and split reductions with each epilogue.
-for norm, glu, add, split in ((False, False, False, 1), (True, False, False, 1), (True, True, False, 1),
-                              (False, False, True, 1), (True, False, False, 4), (True, True, False, 2),
-                              (False, False, True, 8)):
-    KERNELS[f"fused_linear norm {norm} glu {glu} add {add} split {split}"] = (
-        "gpu.matmul", "linear_kernel",
-        dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, part_ptr=F32P, count_ptr="*i32", M="i32", N="i32", K="i32",
-             K_SPLIT="i32", eps="fp32"),
-        dict(NORM=norm, GLU=glu, ADD=add, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT=split, NORM_BLOCK=1024,
-             IEEE=False, UPCAST=False, PDL=False), 4)
+LINEAR_ARGS = dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, part_ptr=F32P, count_ptr="*i32", M="i32", N="i32",
+                   K="i32", K_SPLIT="i32", eps="fp32", q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, pos_ptr=I64P,
+                   table_ptr=F32P, loc_ptr=I64P, max_pos="i32", num_slots="i32")
+# (norm, glu, add, rope, K splits): the projections' kinds (rope: the QKV product that rotates and
+# stores K/V, SmolLM2's heads), and split reductions with each epilogue.
+for norm, glu, add, rope, split in ((False, False, False, False, 1), (True, False, False, False, 1),
+                                    (True, True, False, False, 1), (False, False, True, False, 1),
+                                    (True, False, False, True, 1), (True, False, False, False, 4),
+                                    (True, True, False, False, 2), (False, False, True, False, 8),
+                                    (True, False, False, True, 4)):
+    KERNELS[f"fused_linear norm {norm} glu {glu} add {add} rope {rope} split {split}"] = (
+        "gpu.matmul", "linear_kernel", LINEAR_ARGS,
+        dict(NORM=norm, GLU=glu, ADD=add, ROPE=rope, HQ=9, H=3, HEAD_DIM=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
+             SPLIT=split, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False), 4)
 # One row: Triton passes an integer argument of 1 as a constant.
 KERNELS["fused_linear split 4 one row"] = (
-    "gpu.matmul", "linear_kernel",
-    dict(x_ptr=BF16P, w_ptr=BF16P, out_ptr=BF16P, part_ptr=F32P, count_ptr="*i32", N="i32", K="i32", K_SPLIT="i32",
-         eps="fp32"),
-    dict(M=1, NORM=True, GLU=True, ADD=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT=4, NORM_BLOCK=1024,
-         IEEE=False, UPCAST=False, PDL=False), 4)
+    "gpu.matmul", "linear_kernel", {k: v for k, v in LINEAR_ARGS.items() if k != "M"},
+    dict(M=1, NORM=True, GLU=True, ADD=False, ROPE=False, HQ=1, H=1, HEAD_DIM=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
+         SPLIT=4, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False), 4)
 for live in (False, True):
     KERNELS[f"lookup live {live}"] = (
         "gpu.lookup", "lookup_kernel",

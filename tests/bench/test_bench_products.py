@@ -40,10 +40,10 @@ def test_a_tiling_whose_stages_do_not_fit_the_device_is_skipped_and_listed(bench
 
     real = bench_products.output
 
-    def output(kind, kernels, linear, x):
+    def output(kind, kernels, linear, x, step):
         if kernels.launch.products.shapes[0].by_rows[0].tiling == Tiling(16, 16, 64):
             raise OutOfResources(232448, 232448 // 2, "shared memory")
-        return real(kind, kernels, linear, x)
+        return real(kind, kernels, linear, x, step)
 
     monkeypatch.setattr(bench_products, "output", output)
     shape = tmp_path / "tiny.json"
@@ -56,6 +56,7 @@ def test_a_tiling_whose_stages_do_not_fit_the_device_is_skipped_and_listed(bench
     assert len(report["skipped"]) == 5 * 2
     assert {tuple(s["tiling"]) for s in report["skipped"]} == {tuple(Tiling(16, 16, 64))}
     assert all("shared memory" in s["reason"] for s in report["skipped"])
+
 
 def test_a_table_needs_timings(bench_products, tmp_path):
     with pytest.raises(SystemExit, match="--write-table needs timings"):

@@ -19,7 +19,7 @@ def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, load_bench):
     report = json.loads(out.read_text())
     assert [s["shape"] for s in report["shapes"]] == ["tiny"] and report["dtype"] == "float32"
     assert [(r["batch"], r["tree_size"]) for r in report["runs"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
-    assert {(r["products"], r["pdl"]) for r in report["runs"]} == {("fixed", "off")}
+    assert {(r["products"], r["pdl"], r["rope"]) for r in report["runs"]} == {("fixed", "off", "off")}
     for row in report["runs"]:
         assert row["decode_tokens_per_s"] > 0 and row["steps"] >= 1
         assert ("step_vs_plain" in row) == (row["tree_size"] == 4)
@@ -46,6 +46,9 @@ def test_launch_modes_the_backend_lacks_are_refused(tmp_path, load_bench, capsys
                                  "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
     with pytest.raises(SystemExit, match="--pdl on,off: the cpu backend's model kernels launch without"):
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,off", "--json",
+                           str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit, match="--rope on: the cpu backend's model kernels have no QKV product that"):
+        bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--rope", "on", "--json",
                            str(tmp_path / "out.json")])
     with pytest.raises(SystemExit) as exit_:
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,on"])

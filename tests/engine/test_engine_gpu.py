@@ -12,7 +12,7 @@ kernels and the batch-invariant mode. Skipped where no CUDA device is present.
   the step.
 * After warm-up, a run with graphs makes no hidden host sync.
 * The layer kernels launched early (programmatic dependent launch) give the tokens of serial
-  launches.
+  launches; the QKV product that rotates and stores K/V, those of the rotary kernel after it.
 * Engines taking turns on the device count none of each other's turns as their own idle time or
   step costs.
 """
@@ -119,6 +119,23 @@ def test_dependent_launch_changes_no_token(backend, prompts):
         model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=5)
         assert model.kernels.launch.pdl == b.launch.pdl
         runs[b.launch.pdl] = [_run(model, prompts, tree_size=d, drafter="device", graphs=True)[1] for d in (1, 8)]
+    assert runs[True] == runs[False]
+
+
+@gpu
+def test_rotating_qkv_product_changes_no_token(backend, prompts):
+    """The QKV product that rotates queries and keys and stores K/V itself gives the tokens of the
+    product followed by the rotary kernel, in captured plain and verify steps (batch 1 to 4, so
+    that every step's QKV runs as a fused product)."""
+    from ngram_hal_cuda import CudaBackend
+
+    apart = CudaBackend()
+    apart.launch = dataclasses.replace(apart.launch, rope_in_product=False)
+    runs = {}
+    for b in (backend, apart):
+        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=6)
+        runs[b.launch.rope_in_product] = [_run(model, prompts, tree_size=d, drafter="device", graphs=True)[1]
+                                          for d in (1, 8)]
     assert runs[True] == runs[False]
 
 

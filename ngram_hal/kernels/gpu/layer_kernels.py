@@ -10,6 +10,7 @@ import torch
 from ...model_kernels import DenseLinear, Linear, TorchLayerKernels
 from ..triton.products import Tiling, choose, choose_invariant
 from . import argmax, matmul, norm, rotary, swiglu
+from .rotary import RopeStore
 
 if TYPE_CHECKING:
     from ...backend import Backend
@@ -37,7 +38,9 @@ class TritonLayerKernels(TorchLayerKernels):
     inside the norm, the rotary embedding inside the K/V store, SwiGLU in one pass.
 
     The rotary kernel reads cos/sin from a table of ``max_positions`` rows built once (positions
-    past it are clamped) and writes K/V straight into the cache rows (-1 locs skipped). The
+    past it are clamped) and writes K/V straight into the cache rows (-1 locs skipped); where the
+    QKV projection runs as a fused product (and the launch's ``rope_in_product``), that product
+    does the rotation and the store itself (one launch fewer a layer). The
     norms' weights are folded into the projections after them. Each projection runs as the
     launch's product table chooses for its weight shape and rows; shapes it does not list, by the
     fixed rule: forwards of at most ``backend.launch.fused_linear_rows`` rows run each projection
@@ -90,6 +93,16 @@ class TritonLayerKernels(TorchLayerKernels):
         cfg = self.config
         return self._rotary(qkv, rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads,
                             cfg.num_kv_heads, pdl=self.launch.pdl)
+
+    def norm_rope_store(self, x, norm, linear, rope, kv, layer, out_cache_loc, delta=None):
+        fused = delta is None and self.launch.rope_in_product
+        tiling = self.tiling(x.shape[0], linear) if fused else None
+        if tiling is None:
+            return super().norm_rope_store(x, norm, linear, rope, kv, layer, out_cache_loc, delta)
+        cfg = self.config
+        store = RopeStore(rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads, cfg.num_kv_heads)
+        return self._matmul.fused_linear(x, linear.weight, norm_eps=cfg.rms_norm_eps, rope=store, tiling=tiling,
+                                         pdl=self.pdl(linear))
 
     def swiglu(self, gate_up):
         return self._swiglu(gate_up, pdl=self.launch.pdl)

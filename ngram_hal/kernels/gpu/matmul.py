@@ -15,6 +15,15 @@ so a 1-row decode and a 16-row verify can round the same row differently); that 
 ``invariant_linear``. (Under Triton's interpreter, whose half-precision products are wrong,
 operands are widened to float32 first.)
 
+The fused QKV product can also finish the rotary embedding and the K/V store (``rope``): a
+program then takes pairs of columns, each query or key column ``i`` of a head with its rotation
+partner ``i + d/2`` (values in two halves alike), as two accumulators (as a gate/up product
+takes its gate and up columns), rounds each sum to the model's dtype as the product's output
+would be rounded, rotates the pair in float32 by the cos/sin of the row's position and writes
+the queries to their own tensor and the keys and values into the cache slots of the row. The
+values are those of :func:`~ngram_hal.kernels.gpu.rotary.rotary_store` on the product's output;
+one launch a layer and the QKV tensor's round trip fewer.
+
 A product of a few rows over a weight with few output tiles (a 1B model's down projection at batch
 1: 64 tiles of 32 columns, each a walk over 8,192 inputs, for an H200's 132 multiprocessors) leaves
 the device's bandwidth idle; a tiling's ``split_k`` cuts its reduction into runs, one program each,
@@ -33,6 +42,7 @@ from ..triton.counters import tile_counters
 from ..triton.launch import interpreting
 from ..triton.pdl import await_previous, pdl_keywords
 from ..triton.products import Tiling
+from .rotary import RopeStore, check_rope_store
 
 
 # 32 output columns and 256 reduction steps a program: the fastest of the tilings that
@@ -63,16 +73,7 @@ def _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps
     """The tile's finished float32 sums to its output: the norm's row scale, SwiGLU, the residual
     add, the store."""
     if NORM:
-        # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): the row's scale comes after the product.
-        squares = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            k = k0 + tl.arange(0, NORM_BLOCK)
-            xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
-                         other=0.0).to(tl.float32)
-            squares += tl.sum(xs * xs, 1)
-        inv = 1.0 / tl.sqrt(squares / K + eps)
-        acc = acc * inv[:, None]
-        acc_up = acc_up * inv[:, None]
+        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
     dtype = out_ptr.dtype.element_ty
     if GLU:
         gate = acc.to(dtype).to(tl.float32)
@@ -89,10 +90,68 @@ def _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps
 
 
 @triton.jit
+def _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Both accumulators times each row's ``1 / rms(x)``:
+    rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x), the row's scale after the product."""
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, NORM_BLOCK):
+        k = k0 + tl.arange(0, NORM_BLOCK)
+        xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
+                     other=0.0).to(tl.float32)
+        squares += tl.sum(xs * xs, 1)
+    inv = 1.0 / tl.sqrt(squares / K + eps)
+    return acc * inv[:, None], acc_up * inv[:, None]
+
+
+@triton.jit
+def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
+                   rows, pairs, col_a, col_b, row_ok, pair_ok, rotated, K, eps, NORM: tl.constexpr,
+                   HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr):
+    """The QKV tile's finished sums (``acc`` the columns ``col_a``, ``acc_up`` their partners
+    ``col_b``) to rotated queries and the cache: each sum rounded to the output dtype, the pair
+    rotated in float32 ("rotate half") by the row's position, rounded once; queries to ``q``, keys
+    and values to the row's slot (rows whose slot is -1 or outside the cache store none)."""
+    if NORM:
+        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = q_ptr.dtype.element_ty
+    x1 = acc.to(dtype).to(tl.float32)
+    x2 = acc_up.to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    j = tl.where(rotated, pairs % HALF, 0)
+    angle = table_ptr + pos[:, None] * HEAD_DIM + j[None, :]
+    turn = row_ok[:, None] & (pair_ok & rotated)[None, :]
+    cos = tl.load(angle, mask=turn, other=1.0)
+    sin = tl.load(angle + HALF, mask=turn, other=0.0)
+    y1 = tl.where(rotated[None, :], x1 * cos - x2 * sin, x1).to(dtype)
+    y2 = tl.where(rotated[None, :], x2 * cos + x1 * sin, x2).to(dtype)
+    is_q = pair_ok & (pairs < HQ * HALF)
+    q_row = q_ptr + rows[:, None] * (HQ * HEAD_DIM)
+    q_mask = row_ok[:, None] & is_q[None, :]
+    tl.store(q_row + tl.where(is_q, col_a, 0)[None, :], y1, mask=q_mask)
+    tl.store(q_row + tl.where(is_q, col_b, 0)[None, :], y2, mask=q_mask)
+    loc = tl.load(loc_ptr + rows, mask=row_ok, other=-1)
+    stored = row_ok & (loc >= 0) & (loc < num_slots)
+    slot = tl.where(stored, loc, 0) * (H * HEAD_DIM)
+    is_k = pair_ok & rotated & ~is_q
+    k_mask = stored[:, None] & is_k[None, :]
+    tl.store(k_ptr + slot[:, None] + tl.where(is_k, col_a - HQ * HEAD_DIM, 0)[None, :], y1, mask=k_mask)
+    tl.store(k_ptr + slot[:, None] + tl.where(is_k, col_b - HQ * HEAD_DIM, 0)[None, :], y2, mask=k_mask)
+    is_v = pair_ok & ~rotated
+    v_mask = stored[:, None] & is_v[None, :]
+    tl.store(v_ptr + slot[:, None] + tl.where(is_v, col_a - (HQ + H) * HEAD_DIM, 0)[None, :], y1, mask=v_mask)
+    tl.store(v_ptr + slot[:, None] + tl.where(is_v, col_b - (HQ + H) * HEAD_DIM, 0)[None, :], y2, mask=v_mask)
+
+
+@triton.jit
 def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, eps,
-                   NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+                  q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
+                  NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, ROPE: tl.constexpr,
+                  HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -100,7 +159,19 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    col_ok = cols < N
+    if ROPE:
+        # cols number column pairs: a query or key head's column i with its partner i + d/2, then
+        # the values' columns in two halves. col_a and col_b are the pair's columns of the weight.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        rotated = cols < (HQ + H) * HALF
+        col_ok = cols < (HQ + 2 * H) * HALF
+        col_a = tl.where(rotated, (cols // HALF) * HEAD_DIM + cols % HALF, (HQ + H) * HALF + cols)
+        col_b = col_a + tl.where(rotated, HALF, H * HALF)
+    else:
+        col_ok = cols < N
+        col_a = cols
+        col_b = N + cols
+    TWO: tl.constexpr = GLU or ROPE
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = 0
@@ -112,66 +183,79 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         w_mask = col_ok[None, :] & (k < K)[:, None]
-        w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=w_mask, other=0.0)
+        w = tl.load(w_ptr + col_a[None, :] * K + k[:, None], mask=w_mask, other=0.0)
         acc = _dot(x, w, acc, IEEE, UPCAST)
-        if GLU:
-            w_up = tl.load(w_ptr + (N + cols[None, :]) * K + k[:, None], mask=w_mask, other=0.0)
+        if TWO:
+            w_up = tl.load(w_ptr + col_b[None, :] * K + k[:, None], mask=w_mask, other=0.0)
             acc_up = _dot(x, w_up, acc_up, IEEE, UPCAST)
-    if SPLIT == 1:
-        _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
-                  NORM_BLOCK)
-    else:
+    finish = SPLIT == 1
+    if SPLIT > 1:
         # Each split stores its float32 sums; the tile's last split to count itself in adds them in
         # split order and finishes the tile (ngram_hal.kernels.triton.counters). The same bits
         # whichever split comes last.
         tile_mask = row_ok[:, None] & col_ok[None, :]
         split = tl.program_id(2)
-        # Split s's sums of the tile, float32[(2 if GLU else 1) * SPLIT, M, N] (up after gate).
+        # Split s's sums of the tile, float32[(2 if TWO else 1) * SPLIT, M, N] (the second after the first).
         tl.store(part_ptr + ((split * M + rows[:, None]) * N + cols[None, :]), acc, mask=tile_mask)
-        if GLU:
+        if TWO:
             tl.store(part_ptr + (((SPLIT + split) * M + rows[:, None]) * N + cols[None, :]), acc_up, mask=tile_mask)
         tile = pid_m * tl.num_programs(0) + pid_n
         tl.debug_barrier()
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+        finish = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+        if finish:
             tl.atomic_xchg(count_ptr + tile, 0)
             acc = tl.load(part_ptr + (rows[:, None] * N + cols[None, :]), mask=tile_mask, other=0.0,
                           cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT):
                 acc += tl.load(part_ptr + ((s * M + rows[:, None]) * N + cols[None, :]), mask=tile_mask, other=0.0,
                                cache_modifier=".cg")
-            if GLU:
+            if TWO:
                 acc_up = tl.load(part_ptr + ((SPLIT * M + rows[:, None]) * N + cols[None, :]), mask=tile_mask,
                                  other=0.0, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT):
                     acc_up += tl.load(part_ptr + (((SPLIT + s) * M + rows[:, None]) * N + cols[None, :]),
                                       mask=tile_mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD,
-                      BLOCK_M, NORM_BLOCK)
+    if finish:
+        if ROPE:
+            _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
+                           rows, cols, col_a, col_b, row_ok, col_ok, rotated, K, eps, NORM, HQ, H, HEAD_DIM,
+                           BLOCK_M, NORM_BLOCK)
+        else:
+            _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
+                      NORM_BLOCK)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-                 residual: torch.Tensor | None = None, tiling: Tiling = INVARIANT, pdl: bool = False) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, rope: RopeStore | None = None, tiling: Tiling = INVARIANT,
+                 pdl: bool = False) -> torch.Tensor:
     """``y = f(x) @ weight.T`` with float32 accumulation, rounded to x's dtype; optionally
-    ``residual += y`` in place.
+    ``residual += y`` in place, or the rotary embedding and K/V store of a QKV product.
 
     With ``norm_eps`` the rows of x are RMS-normalized first: ``y = rmsnorm(x) @ weight.T``, the
     norm's own weight already folded into ``weight`` (``W * g``, see :func:`fold_norm`); the product
     runs on x as it is and each row is scaled by ``1 / rms`` after it. With ``glu`` the weight
     holds gate and up rows ``[W_gate; W_up]`` and ``y = silu(x @ W_gate.T) * (x @ W_up.T)`` (the
-    rounding of :func:`ngram_hal.kernels.gpu.swiglu.swiglu` applied to the two products).
+    rounding of :func:`ngram_hal.kernels.gpu.swiglu.swiglu` applied to the two products). With
+    ``rope`` the weight is the fused QKV projection's and y goes on as
+    :func:`~ngram_hal.kernels.gpu.rotary.rotary_store` takes it: the rotated queries are returned,
+    the keys and values written into the cache (a program takes ``max(16, block_n / 2)`` column
+    pairs, the columns of ``block_n`` in two accumulators).
 
     Args:
         x: float[M, K], contiguous.
-        weight: float[N, K] of x's dtype, contiguous (float[2N, K] with ``glu``).
+        weight: float[N, K] of x's dtype, contiguous (float[2N, K] with ``glu``; with ``rope``
+            N = (Hq + 2H) * d of ``rope``'s heads).
         norm_eps: the RMSNorm's epsilon, or None for no norm.
         residual: float[M, N] of x's dtype, contiguous, updated in place to ``residual + y``
             (rounded to its dtype after a float32 add) and returned.
+        rope: the positions, cos/sin table, one layer's caches and slots of the rows
+            (:class:`~ngram_hal.kernels.gpu.rotary.RopeStore`); not with ``glu`` or ``residual``.
         tiling: the program tile, warps, stages and K splits (:data:`SMALL_ROWS`, :data:`INVARIANT` or a
             :class:`~ngram_hal.kernels.triton.products.ProductTable`'s choice for the weight's
             shape); one tiling for every row count keeps rows batch-invariant.
         pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
     Returns:
-        float[M, N]: y, or the updated ``residual``.
+        float[M, N]: y, or the updated ``residual``; with ``rope`` the queries float[M, Hq, d].
     """
     M, K = x.shape
     rows_w, K_w = weight.shape
@@ -182,23 +266,39 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
     if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype or not residual.is_contiguous()):
         raise ValueError(f"fused_linear: residual must be contiguous [{M}, {N}] of {x.dtype}, "
                          f"got {tuple(residual.shape)} {residual.dtype}")
-    out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    block_n, columns = tiling.block_n, N
+    rope_args: tuple = (x,) * 6 + (1, 1)
+    heads = dict(HQ=1, H=1, HEAD_DIM=2)
+    if rope is not None:
+        if glu or residual is not None:
+            raise ValueError("fused_linear: rope takes neither glu nor residual")
+        check_rope_store("fused_linear", rope, M, N, x.dtype)
+        d = rope.table.shape[1]
+        out = torch.empty((M, rope.num_heads, d), dtype=x.dtype, device=x.device)
+        block_n, columns = max(16, block_n // 2), N // 2
+        rope_args = (out, rope.k_cache, rope.v_cache, rope.positions, rope.table, rope.out_cache_loc,
+                     rope.table.shape[0], rope.k_cache.shape[0] - 1)
+        heads = dict(HQ=rope.num_heads, H=rope.num_kv_heads, HEAD_DIM=d)
+    else:
+        out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        tiles = (triton.cdiv(N, tiling.block_n), triton.cdiv(M, tiling.block_m))
+        tiles = (triton.cdiv(columns, block_n), triton.cdiv(M, tiling.block_m))
         # K in runs of whole BLOCK_K steps, one per split (a short K may leave fewer splits).
         k_split = triton.cdiv(triton.cdiv(K, tiling.split_k), tiling.block_k) * tiling.block_k
         splits = triton.cdiv(K, k_split)
-        partials = counters = out
+        partials = counters = x
         if splits > 1:
-            partials = torch.empty(((2 if glu else 1) * splits * M * N,), dtype=torch.float32, device=x.device)
+            two = glu or rope is not None
+            partials = torch.empty(((2 if two else 1) * splits * M * N,), dtype=torch.float32, device=x.device)
             counters = tile_counters(x.device, tiles[0] * tiles[1], "fused_linear with a split K")
         linear_kernel[(*tiles, splits)](x, weight, out, partials, counters, M, N, K, k_split,
-                             0.0 if norm_eps is None else norm_eps,
-                             NORM=norm_eps is not None, GLU=glu, ADD=residual is not None, BLOCK_M=tiling.block_m,
-                             BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=splits,
-                             NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
-                             UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
-                             num_stages=tiling.num_stages, **pdl_keywords(pdl))
+                                        0.0 if norm_eps is None else norm_eps, *rope_args,
+                                        NORM=norm_eps is not None, GLU=glu, ADD=residual is not None,
+                                        ROPE=rope is not None, **heads, BLOCK_M=tiling.block_m,
+                                        BLOCK_N=block_n, BLOCK_K=tiling.block_k, SPLIT=splits,
+                                        NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
+                                        UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
+                                        num_stages=tiling.num_stages, **pdl_keywords(pdl))
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,37 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
 
 
+class RopeStore(NamedTuple):
+    """What the rotary embedding and the K/V store of one layer's new tokens take besides the QKV
+    rows: positions int64[N], the cos/sin ``table`` float32[P, d] of :func:`rope_table`, the layer's
+    caches float[S + 1, H, d] (contiguous), each row's slot ``out_cache_loc`` int64[N], and the
+    query and KV head counts."""
+
+    positions: torch.Tensor
+    table: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out_cache_loc: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+
+
+def check_rope_store(op: str, rope: RopeStore, rows: int, width: int, dtype: torch.dtype) -> None:
+    """A ValueError naming ``op`` unless ``rope`` fits ``rows`` QKV rows of ``width`` columns of
+    ``dtype``."""
+    Hq, H, d = rope.num_heads, rope.num_kv_heads, rope.table.shape[1]
+    if width != (Hq + 2 * H) * d:
+        raise ValueError(f"{op}: qkv must have {(Hq + 2 * H) * d} columns ({Hq} + 2 x {H} heads of {d}), got {width}")
+    for name, t in (("positions", rope.positions), ("out_cache_loc", rope.out_cache_loc)):
+        if t.shape != (rows,) or t.dtype != torch.int64:
+            raise ValueError(f"{op}: {name} must be int64[{rows}], got {t.dtype}{list(t.shape)}")
+    caches = (rope.k_cache, rope.v_cache)
+    if any(c.shape[1:] != (H, d) or c.shape[0] < 1 or not c.is_contiguous() or c.dtype != dtype for c in caches):
+        raise ValueError(f"{op}: caches must be contiguous [S+1, {H}, {d}] of {dtype}")
+    if d & (d - 1) or d < 2:
+        raise ValueError(f"{op}: head_dim {d} must be a power of two")
+
+
 def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, out_cache_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                  pdl: bool = False) -> torch.Tensor:
@@ -76,15 +109,10 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
     N = qkv.shape[0]
     d = table.shape[1]
     Hq, H = num_heads, num_kv_heads
-    if qkv.shape != (N, (Hq + 2 * H) * d) or not qkv.is_contiguous():
+    if qkv.ndim != 2 or not qkv.is_contiguous():
         raise ValueError(f"rotary_store: qkv must be contiguous [N, {(Hq + 2 * H) * d}], got {tuple(qkv.shape)}")
-    for name, t in (("positions", positions), ("out_cache_loc", out_cache_loc)):
-        if t.shape != (N,) or t.dtype != torch.int64:
-            raise ValueError(f"rotary_store: {name} must be int64[{N}]")
-    if k_cache.shape[1:] != (H, d) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"rotary_store: caches must be contiguous [S+1, {H}, {d}]")
-    if d & (d - 1):
-        raise ValueError(f"rotary_store: head_dim {d} must be a power of two")
+    check_rope_store("rotary_store", RopeStore(positions, table, k_cache, v_cache, out_cache_loc, Hq, H), N,
+                     qkv.shape[1], qkv.dtype)
     q = torch.empty((N, Hq, d), dtype=qkv.dtype, device=qkv.device)
     if N:
         rotary_store_kernel[(N,)](qkv, positions, table, q, k_cache, v_cache, out_cache_loc, table.shape[0],

@@ -75,6 +75,9 @@ class LaunchConfig:
         products: the product each weight shape runs fastest on this device, by rows, as a sweep
             chose it (:class:`~ngram_hal.kernels.triton.products.ProductTable`); shapes it does
             not list follow the two fields above. None: no table.
+        rope_in_product: a QKV projection that runs as a fused product also rotates the queries
+            and keys and stores K/V (:func:`ngram_hal.kernels.gpu.matmul.fused_linear`'s ``rope``)
+            instead of leaving that to the rotary kernel.
         pdl: launch the model's kernels (products, norm, rotary, SwiGLU, attention and its merge,
             the greedy argmax) with programmatic dependent launch, each overlapping the end of the one before
             (:mod:`ngram_hal.kernels.triton.pdl`; NVIDIA sm_90 and later only).
@@ -111,6 +114,7 @@ class LaunchConfig:
     fused_linear_rows: int = 64
     fused_linear_max_bytes: int = 16 << 20
     products: ProductTable | None = None
+    rope_in_product: bool = True
     pdl: bool = False
     pdl_max_weight_bytes: int = 16 << 20
 

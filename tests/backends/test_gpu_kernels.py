@@ -184,7 +184,7 @@ def test_fused_qkv_product_rotates_and_stores_as_the_rotary_kernel(dtype, tiling
     table = rope_table(rope_frequencies(config, DEVICE), 64)
     caches = [(torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE), torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE))
               for _ in range(2)]
-    qkv = fused_linear(x, w, norm_eps=1e-5, tiling=tiling._replace(block_n=max(16, tiling.block_n // 2)))
+    qkv = fused_linear(x, w, norm_eps=1e-5, tiling=Tiling(tiling.block_m, max(16, tiling.block_n // 2), *tiling[2:]))
     want = rotary_store(qkv, positions, table, *caches[0], locs, Hq, H)
     got = fused_linear(x, w, norm_eps=1e-5, tiling=tiling,
                        rope=RopeStore(positions, table, *caches[1], locs, Hq, H))

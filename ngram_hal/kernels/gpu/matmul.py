@@ -125,8 +125,9 @@ def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, 
     turn = row_ok[:, None] & (pair_ok & rotated)[None, :]
     cos = tl.load(angle, mask=turn, other=1.0)
     sin = tl.load(angle + HALF, mask=turn, other=0.0)
-    y1 = tl.where(rotated[None, :], x1 * cos - x2 * sin, x1).to(dtype)
-    y2 = tl.where(rotated[None, :], x2 * cos + x1 * sin, x2).to(dtype)
+    # The multiply-adds spelled out as the rotary kernel spells them (the same rounding).
+    y1 = tl.where(rotated[None, :], tl.fma(x1, cos, -(x2 * sin)), x1).to(dtype)
+    y2 = tl.where(rotated[None, :], tl.fma(x2, cos, x1 * sin), x2).to(dtype)
     is_q = pair_ok & (pairs < HQ * HALF)
     q_row = q_ptr + rows[:, None] * (HQ * HEAD_DIM)
     q_mask = row_ok[:, None] & is_q[None, :]

@@ -28,8 +28,10 @@ def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_
     rotated = heads < HQ + H
     x1 = tl.load(base + heads[:, None] * HEAD_DIM + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(base + heads[:, None] * HEAD_DIM + HALF + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
-    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ptr.dtype.element_ty)
-    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ptr.dtype.element_ty)
+    # The multiply-adds spelled out, so that the QKV product's rotation (matmul._rope_epilogue)
+    # rounds alike whatever the compiler would fuse.
+    y1 = tl.fma(x1, cos[None, :], -(x2 * sin[None, :])).to(q_ptr.dtype.element_ty)
+    y2 = tl.fma(x2, cos[None, :], x1 * sin[None, :]).to(q_ptr.dtype.element_ty)
     is_q = heads < HQ
     q_out = q_ptr + row * HQ * HEAD_DIM + heads[:, None] * HEAD_DIM
     tl.store(q_out + j[None, :], y1, mask=is_q[:, None])

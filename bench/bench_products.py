@@ -3,13 +3,14 @@ backend's product table.
 
 For each shape (``--shapes``: presets of :data:`ngram_hal.engine.shapes.PRESETS` or JSON files) the
 five products of a decode step (QKV after the attention norm, with the rotary embedding and the K/V
-store after it, the output projection and its residual add, gate/up after the MLP norm with SwiGLU, down and its residual add, the LM head) run through the
-engine's own Triton model kernels at each row count of ``--rows``, once per candidate: the steps
-apart (the norm kernel, cuBLAS, the rotary or the SwiGLU kernel) and the fused product in each tiling of
-:data:`SWEEP` (those that split K up to 64 rows). A candidate must agree with the steps apart before
-it is timed. Time is device time per call from a CUDA graph that cycles through copies of the weight
-(at least 256 MB of them, more than the L2 cache, as a model's layers are), reported with the
-bandwidth of weight bytes it reaches against a device-to-device copy measured in the same run.
+store after it, the output projection and its residual add, gate/up after the MLP norm with SwiGLU,
+down and its residual add, the LM head) run through the engine's own Triton model kernels at each
+row count of ``--rows``, once per candidate: the steps apart (the norm kernel, cuBLAS, the rotary or
+the SwiGLU kernel) and the fused product in each tiling of :data:`SWEEP` (those that split K up to
+64 rows). A candidate must agree with the steps apart before it is timed. Time is device time per
+call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them, more than
+the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it reaches
+against a device-to-device copy measured in the same run.
 
 ``--write-table PATH`` writes the choice per weight shape
 (:mod:`ngram_hal.kernels.triton.products`), keeping the shapes a table already there holds and this

@@ -20,12 +20,12 @@ them (``bench/bench_products.py``; the backend's default) and by the fixed rule,
 a table file: ``--products table,old.json``); ``--pdl on,off`` likewise with the layer kernels
 launched early (programmatic dependent launch, the cuda backend's default on sm_90) and one after
 another; ``--rope on,off`` likewise with the QKV product that also rotates and stores K/V (the
-Triton backends' default) and the rotary kernel after the product. ``--transformers`` adds transformers' ``generate`` with a static cache on the same shape
-(its own random weights), batch 1. ``--launch FIELD=VALUE,...`` sets fields of the Triton launch
-configuration for every row. ``--profile-steps N`` adds to each row, on CUDA, N decode steps under
-the profiler: kernels, launches and device time a step, and the costliest kernels
-(``bench/step_profile.py``). Targets from the real-shapes issue are checked and printed, never an
-exit code.
+Triton backends' default) and the rotary kernel after the product. ``--transformers`` adds
+transformers' ``generate`` with a static cache on the same shape (its own random weights), batch 1.
+``--launch FIELD=VALUE,...`` sets fields of the Triton launch configuration for every row.
+``--profile-steps N`` adds to each row, on CUDA, N decode steps under the profiler: kernels,
+launches and device time a step, and the costliest kernels (``bench/step_profile.py``). Targets from
+the real-shapes issue are checked and printed, never an exit code.
 
     python bench/bench_shapes.py --device cuda --shapes llama-1b,llama-8b --transformers
     python bench/bench_shapes.py --device cpu --shapes tiny.json --batch-sizes 1 --prompt-len 16 --new-tokens 4
@@ -269,12 +269,13 @@ def print_tables(shapes: list[dict], rows: list[dict], hf: list[dict], found: li
     console.print(table)
     table = make_table("decode (prefill excluded; turn: between engine turns, median / slowest; roof: the lower "
                        "roofline, m set by bytes, c by operations)",
-                       ("shape", "B", "products", "pdl", "rope", "D", "tok/s", "ms/step", "turn ms", "limit tok/s", "of limit",
-                        "roof tok/s", "of roof", "step / plain", "transformers tok/s"), left=("shape",))
+                       ("shape", "B", "products", "pdl", "rope", "D", "tok/s", "ms/step", "turn ms", "limit tok/s",
+                        "of limit", "roof tok/s", "of roof", "step / plain", "transformers tok/s"), left=("shape",))
     for r in rows:
         other = next((h for h in hf if h["shape"] == r["shape"] and h["batch"] == r["batch"] and r["tree_size"] == 1),
                      None)
-        table.add_row(r["shape"], str(r["batch"]), r["products"], r["pdl"], r["rope"], str(r["tree_size"]), f"{r['decode_tokens_per_s']:,.0f}",
+        table.add_row(r["shape"], str(r["batch"]), r["products"], r["pdl"], r["rope"], str(r["tree_size"]),
+                      f"{r['decode_tokens_per_s']:,.0f}",
                       f"{r['ms_per_step']:.3f}",
                       "-" if r["turn_ms_median"] is None else f"{r['turn_ms_median']:.2f} / {r['turn_ms_max']:.1f}",
                       f"{r['limit_tokens_per_s']:,.0f}" if "limit_tokens_per_s" in r else "-",
@@ -316,7 +317,7 @@ def main(argv=None) -> None:
                              "after it, or both side by side (default: the backend's own)")
     parser.add_argument("--launch", type=launch_settings, default={}, metavar="FIELD=VALUE,...",
                         help="override fields of the Triton launch configuration (LaunchConfig: an int, true, false "
-                             "or none; --products and --pdl set those two)")
+                             "or none; --products, --pdl and --rope set those three)")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="on CUDA, profile N decode steps of each row after its timed pass: kernels, launches and "
                              "device time per step, the costliest kernels (default 0: off)")

@@ -126,7 +126,8 @@ def test_qkv_step_matches_torch(backend, rows):
                                     locs)
     _close(q_got, q_want, dtype, "rotated queries")
     for name in ("k", "v"):
-        _close(getattr(caches[0], name), getattr(caches[1], name), dtype, f"the {name.upper()} cache after norm_rope_store")
+        _close(getattr(caches[0], name), getattr(caches[1], name), dtype,
+               f"the {name.upper()} cache after norm_rope_store")
 
 
 @conformance

@@ -182,8 +182,7 @@ def test_fused_qkv_product_rotates_and_stores_as_the_rotary_kernel(dtype, tiling
     config = LlamaConfig(vocab_size=8, hidden_size=K, intermediate_size=8, num_layers=1, num_heads=Hq,
                          num_kv_heads=H, head_dim=d)
     table = rope_table(rope_frequencies(config, DEVICE), 64)
-    caches = [(torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE), torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE))
-              for _ in range(2)]
+    caches = [tuple(torch.zeros(S + 1, H, d, dtype=dtype, device=DEVICE) for _ in "KV") for _ in range(2)]
     qkv = fused_linear(x, w, norm_eps=1e-5, tiling=Tiling(tiling.block_m, max(16, tiling.block_n // 2), *tiling[2:]))
     want = rotary_store(qkv, positions, table, *caches[0], locs, Hq, H)
     got = fused_linear(x, w, norm_eps=1e-5, tiling=tiling,
@@ -193,7 +192,7 @@ def test_fused_qkv_product_rotates_and_stores_as_the_rotary_kernel(dtype, tiling
     for name, mine, theirs in zip("KV", caches[1], caches[0]):
         assert_invariant(mine, theirs, f"the {name} cache against the rotary kernel's")
     untouched = [i for i in range(S + 1) if i not in (0, 2, 7)]
-    assert not caches[1][0][untouched].any() and not caches[1][1][untouched].any(), "a -1 or out-of-range slot was stored"
+    assert not any(c[untouched].any() for c in caches[1]), "a -1 or out-of-range slot was stored"
 
 
 def test_fused_qkv_product_refuses_a_layout_that_does_not_fit():
@@ -204,7 +203,8 @@ def test_fused_qkv_product_refuses_a_layout_that_does_not_fit():
                          num_kv_heads=H, head_dim=d)
     rope = RopeStore(torch.zeros(3, dtype=torch.int64, device=DEVICE), rope_table(rope_frequencies(config, DEVICE), 8),
                      cache, cache.clone(), torch.zeros(3, dtype=torch.int64, device=DEVICE), Hq, H)
-    with pytest.raises(ValueError, match=r"fused_linear: qkv must have 160 columns \(6 \+ 2 x 2 heads of 16\), got 158"):
+    wrong_width = r"fused_linear: qkv must have 160 columns \(6 \+ 2 x 2 heads of 16\), got 158"
+    with pytest.raises(ValueError, match=wrong_width):
         fused_linear(x, w, rope=rope)
     with pytest.raises(ValueError, match=r"fused_linear: positions must be int64\[2\]"):
         fused_linear(x[:2].contiguous(), _randn(160, 32, dtype=torch.float32, seed=20), rope=rope)

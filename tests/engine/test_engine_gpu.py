@@ -220,9 +220,10 @@ def test_calibration_reads_a_context_and_gives_everything_back(backend, prompts)
 def test_engines_taking_turns_count_no_idle_time_for_each_others_turns(backend, prompts):
     """Side by side (``run_side_by_side``: the CLI's ``--compare``) each engine drains and pauses at
     the end of its slice while the other runs: those pauses are not the device idling between the
-    engine's steps (nor, by the same interval, a step cost for ``auto``). With slices of 20 ms
-    against steps of about a millisecond, counting the other engine's turns would make most of
-    each run's device time idle."""
+    engine's steps (nor, by the same interval, a step cost for ``auto``). The model is small, so
+    its steps are host-bound and much of a run's device time is idle between them anyway; but the
+    device's busy and idle time lie within the engine's own slices, where counting the other
+    engine's turns (as long again, with slices of 5 ms) would add them on top."""
     model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=7)
     cfg = dict(num_slots=4096, max_context_len=512, max_running=8)
     engines = [(name, Engine(model, None, EngineConfig(**cfg, **extra)))
@@ -231,6 +232,7 @@ def test_engines_taking_turns_count_no_idle_time_for_each_others_turns(backend, 
         _generate(engine, prompts)
     specs = [PromptSpec(id=str(i), messages=[{"role": "user", "content": str(i)}]) for i in range(len(prompts))]
     tokenizer = types.SimpleNamespace(encode_chat=lambda messages: prompts[int(messages[0]["content"])])
-    results = run_side_by_side(engines, tokenizer, specs, SamplingParams(max_new_tokens=200), slice_s=0.02)
+    results = run_side_by_side(engines, tokenizer, specs, SamplingParams(max_new_tokens=200), slice_s=0.005)
     for result in results:
-        assert result.totals.device_busy_s > 0 and result.totals.device_idle_fraction < 0.5, result.totals
+        totals = result.totals
+        assert totals.device_busy_s > 0 and totals.device_busy_s + totals.device_idle_s < 1.25 * totals.decode_s, totals

@@ -104,20 +104,12 @@ def _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
-                   rows, pairs, col_a, col_b, row_ok, pair_ok, rotated, K, eps, NORM: tl.constexpr,
-                   HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr):
-    """The QKV tile's finished sums (``acc`` the columns ``col_a``, ``acc_up`` their partners
-    ``col_b``) to rotated queries and the cache: each sum rounded to the output dtype, the pair
-    rotated in float32 ("rotate half") by the row's position, rounded once; queries to ``q``, keys
-    and values to the row's slot (rows whose slot is -1 or outside the cache store none)."""
-    if NORM:
-        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
+def _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, pairs, row_ok, pair_ok, rotated,
+                HEAD_DIM: tl.constexpr):
+    """The rows' cos/sin for each column pair (1 and 0 where a pair is not rotated) and the rows'
+    cache slots, float32[BLOCK_M, BLOCK_N] twice and int64[BLOCK_M]: loaded before the product's
+    walk over K, so the epilogue waits on none of them."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    dtype = q_ptr.dtype.element_ty
-    x1 = acc.to(dtype).to(tl.float32)
-    x2 = acc_up.to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     j = tl.where(rotated, pairs % HALF, 0)
@@ -125,6 +117,25 @@ def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, 
     turn = row_ok[:, None] & (pair_ok & rotated)[None, :]
     cos = tl.load(angle, mask=turn, other=1.0)
     sin = tl.load(angle + HALF, mask=turn, other=0.0)
+    loc = tl.load(loc_ptr + rows, mask=row_ok, other=-1)
+    return cos, sin, loc
+
+
+@triton.jit
+def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, pairs, col_a, col_b,
+                   row_ok, pair_ok, rotated, K, eps, NORM: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The QKV tile's finished sums (``acc`` the columns ``col_a``, ``acc_up`` their partners
+    ``col_b``) to rotated queries and the cache: each sum rounded to the output dtype, the pair
+    rotated in float32 ("rotate half") by the rows' ``cos``/``sin`` (:func:`_rope_turns`), rounded
+    once; queries to ``q``, keys and values to the row's slot ``loc`` (rows whose slot is -1 or
+    outside the cache store none)."""
+    if NORM:
+        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = q_ptr.dtype.element_ty
+    x1 = acc.to(dtype).to(tl.float32)
+    x2 = acc_up.to(dtype).to(tl.float32)
     # The multiply-adds spelled out as the rotary kernel spells them (the same rounding).
     y1 = tl.where(rotated[None, :], tl.fma(x1, cos, -(x2 * sin)), x1).to(dtype)
     y2 = tl.where(rotated[None, :], tl.fma(x2, cos, x1 * sin), x2).to(dtype)
@@ -133,7 +144,6 @@ def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, 
     q_mask = row_ok[:, None] & is_q[None, :]
     tl.store(q_row + tl.where(is_q, col_a, 0)[None, :], y1, mask=q_mask)
     tl.store(q_row + tl.where(is_q, col_b, 0)[None, :], y2, mask=q_mask)
-    loc = tl.load(loc_ptr + rows, mask=row_ok, other=-1)
     stored = row_ok & (loc >= 0) & (loc < num_slots)
     slot = tl.where(stored, loc, 0) * (H * HEAD_DIM)
     is_k = pair_ok & rotated & ~is_q
@@ -168,6 +178,8 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         col_ok = cols < (HQ + 2 * H) * HALF
         col_a = tl.where(rotated, (cols // HALF) * HEAD_DIM + cols % HALF, (HQ + H) * HALF + cols)
         col_b = col_a + tl.where(rotated, HALF, H * HALF)
+        cos, sin, loc = _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, cols, row_ok, col_ok, rotated,
+                                    HEAD_DIM)
     else:
         col_ok = cols < N
         col_a = cols
@@ -218,9 +230,8 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                                       mask=tile_mask, other=0.0, cache_modifier=".cg")
     if finish:
         if ROPE:
-            _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
-                           rows, cols, col_a, col_b, row_ok, col_ok, rotated, K, eps, NORM, HQ, H, HEAD_DIM,
-                           BLOCK_M, NORM_BLOCK)
+            _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, cols, col_a,
+                           col_b, row_ok, col_ok, rotated, K, eps, NORM, HQ, H, HEAD_DIM, BLOCK_M, NORM_BLOCK)
         else:
             _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
                       NORM_BLOCK)

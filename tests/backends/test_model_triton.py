@@ -79,4 +79,4 @@ def test_products_launch_early_up_to_the_weight_bound():
     for pdl, want in ((True, [True, False]), (False, [False, False])):
         backend.launch = dataclasses.replace(backend.launch, pdl=pdl, pdl_max_weight_bytes=bound)
         kernels = LlamaModel(TINY, weights, backend, torch.float32).kernels
-        assert [kernels.launch_keywords(linear)["pdl"] for linear in (small, large)] == want
+        assert [kernels.pdl(small), kernels.pdl(large)] == want

@@ -104,12 +104,12 @@ for norm, glu, add, rope, split in ((False, False, False, False, 1), (True, Fals
     KERNELS[f"fused_linear norm {norm} glu {glu} add {add} rope {rope} split {split}"] = (
         "gpu.matmul", "linear_kernel", LINEAR_ARGS,
         dict(NORM=norm, GLU=glu, ADD=add, ROPE=rope, HQ=9, H=3, HEAD_DIM=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
-             SPLIT=split, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False, PREFETCH=False), 4)
+             SPLIT=split, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False), 4)
 # One row: Triton passes an integer argument of 1 as a constant.
 KERNELS["fused_linear split 4 one row"] = (
     "gpu.matmul", "linear_kernel", {k: v for k, v in LINEAR_ARGS.items() if k != "M"},
     dict(M=1, NORM=True, GLU=True, ADD=False, ROPE=False, HQ=1, H=1, HEAD_DIM=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
-         SPLIT=4, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False, PREFETCH=False), 4)
+         SPLIT=4, NORM_BLOCK=1024, IEEE=False, UPCAST=False, PDL=False), 4)
 for live in (False, True):
     KERNELS[f"lookup live {live}"] = (
         "gpu.lookup", "lookup_kernel",
@@ -135,8 +135,7 @@ def compile_all(target_name: str) -> dict:
     out = {}
     builds = [(name, *spec) for name, spec in KERNELS.items()]
     if backend == "cuda":
-        builds += [(f"{name} pdl", module, kernel, args,
-                    dict(constexprs, PDL=True, **({"PREFETCH": True} if "PREFETCH" in constexprs else {})), warps)
+        builds += [(f"{name} pdl", module, kernel, args, dict(constexprs, PDL=True), warps)
                    for name, (module, kernel, args, constexprs, warps) in KERNELS.items() if "PDL" in constexprs]
     for name, module, kernel, args, constexprs, warps in builds:
         fn = getattr(importlib.import_module(f"ngram_hal.kernels.{module}"), kernel)
@@ -150,8 +149,7 @@ def compile_all(target_name: str) -> dict:
         ptx = compiled.asm.get("ptx")
         out[name] = None if ptx is None else {"v4_loads": ptx.count("ld.global.v4"),
                                               "v4_stores": ptx.count("st.global.v4"),
-                                              "waits": ptx.count("griddepcontrol.wait"),
-                                              "prefetches": ptx.count("cp.async.bulk.prefetch.L2")}
+                                              "waits": ptx.count("griddepcontrol.wait")}
     return out
 
 
@@ -173,7 +171,3 @@ def test_kernels_compile(target):
         assert len(with_pdl) >= 12
         for name in with_pdl:
             assert results[name]["waits"] >= 1 and results[name.removesuffix(" pdl")]["waits"] == 0, name
-        # A product launched early asks L2 for its weight rows first (PREFETCH, set with PDL here).
-        products = [name for name, spec in KERNELS.items() if "PREFETCH" in spec[3]]
-        assert products and all(results[f"{name} pdl"]["prefetches"] >= 1 and results[name]["prefetches"] == 0
-                                for name in products), {name: results[name] for name in products}

@@ -30,7 +30,7 @@ class TritonLinear(DenseLinear):
         tiling = self.kernels.tiling(x.shape[0], self)
         if tiling is None:
             return super().__call__(x)
-        return matmul.fused_linear(x.contiguous(), self.weight, tiling=tiling, **self.kernels.launch_keywords(self))
+        return matmul.fused_linear(x.contiguous(), self.weight, tiling=tiling, pdl=self.kernels.pdl(self))
 
 
 class TritonLayerKernels(TorchLayerKernels):
@@ -76,13 +76,11 @@ class TritonLayerKernels(TorchLayerKernels):
             return None
         return self._matmul.SMALL_ROWS
 
-    def launch_keywords(self, linear: Linear) -> dict:
-        """How ``linear``'s fused product launches: early (programmatic dependent launch) with the
-        launch's ``pdl``, for weights of at most ``pdl_max_weight_bytes``; then, with
-        ``prefetch_weights``, asking L2 for its weight rows before it waits."""
+    def pdl(self, linear: Linear) -> bool:
+        """Whether ``linear``'s fused product launches early (programmatic dependent launch): with
+        the launch's ``pdl``, for weights of at most ``pdl_max_weight_bytes``."""
         weight = linear.weight
-        pdl = self.launch.pdl and weight.numel() * weight.element_size() <= self.launch.pdl_max_weight_bytes
-        return dict(pdl=pdl, prefetch=self.launch.prefetch_weights)
+        return self.launch.pdl and weight.numel() * weight.element_size() <= self.launch.pdl_max_weight_bytes
 
     def norm(self, x, weight, delta=None):
         return self._norm(x, self._ones if weight is None else weight, self.config.rms_norm_eps, delta,
@@ -104,7 +102,7 @@ class TritonLayerKernels(TorchLayerKernels):
         cfg = self.config
         store = RopeStore(rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads, cfg.num_kv_heads)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=cfg.rms_norm_eps, rope=store, tiling=tiling,
-                                         **self.launch_keywords(linear))
+                                         pdl=self.pdl(linear))
 
     def swiglu(self, gate_up):
         return self._swiglu(gate_up, pdl=self.launch.pdl)
@@ -124,18 +122,18 @@ class TritonLayerKernels(TorchLayerKernels):
         if tiling is None:
             return super().norm_linear(x, norm, linear, delta)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, tiling=tiling,
-                                         **self.launch_keywords(linear))
+                                         pdl=self.pdl(linear))
 
     def norm_swiglu(self, x, norm, linear, delta=None):
         tiling = self.tiling(x.shape[0], linear) if delta is None else None
         if tiling is None:
             return super().norm_swiglu(x, norm, linear, delta)
         return self._matmul.fused_linear(x, linear.weight, norm_eps=self.config.rms_norm_eps, glu=True,
-                                         tiling=tiling, **self.launch_keywords(linear))
+                                         tiling=tiling, pdl=self.pdl(linear))
 
     def linear_add(self, y, linear, x):
         tiling = self.tiling(y.shape[0], linear)
         if tiling is None:
             return super().linear_add(y, linear, x)
-        self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling, **self.launch_keywords(linear))
+        self._matmul.fused_linear(y, linear.weight, residual=x, tiling=tiling, pdl=self.pdl(linear))
         return None

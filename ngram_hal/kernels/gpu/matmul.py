@@ -157,20 +157,13 @@ def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_s
 
 
 @triton.jit
-def _prefetch_rows(rows_ptr, nbytes):
-    """Ask L2 for ``nbytes`` bytes from each address of ``rows_ptr`` (16-byte aligned, ``nbytes`` a
-    multiple of 16): sm_90's bulk prefetch, which holds no register and which nothing waits on."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [rows_ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, eps,
                   q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, loc_ptr, max_pos, num_slots,
                   NORM: tl.constexpr, GLU: tl.constexpr, ADD: tl.constexpr, ROPE: tl.constexpr,
                   HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -185,29 +178,20 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         col_ok = cols < (HQ + 2 * H) * HALF
         col_a = tl.where(rotated, (cols // HALF) * HEAD_DIM + cols % HALF, (HQ + H) * HALF + cols)
         col_b = col_a + tl.where(rotated, HALF, H * HALF)
+        cos, sin, loc = _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, cols, row_ok, col_ok, rotated,
+                                    HEAD_DIM)
     else:
         col_ok = cols < N
         col_a = cols
         col_b = N + cols
     TWO: tl.constexpr = GLU or ROPE
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = 0
     k_hi = K
     if SPLIT > 1:
         k_lo = tl.program_id(2) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if PREFETCH:
-        # The weight is no earlier kernel's output: its rows in this program's run of K are asked
-        # of L2 before the wait for the kernel before, so they stream while that one finishes.
-        span = tl.zeros_like(cols).to(tl.int32) + ((k_hi - k_lo) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        _prefetch_rows(w_ptr + tl.where(col_ok, col_a, 0) * K + k_lo, span)
-        if TWO:
-            _prefetch_rows(w_ptr + tl.where(col_ok, col_b, 0) * K + k_lo, span)
-    await_previous(PDL)
-    if ROPE:
-        cos, sin, loc = _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, cols, row_ok, col_ok, rotated,
-                                    HEAD_DIM)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -255,7 +239,7 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
                  residual: torch.Tensor | None = None, rope: RopeStore | None = None, tiling: Tiling = INVARIANT,
-                 pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
+                 pdl: bool = False) -> torch.Tensor:
     """``y = f(x) @ weight.T`` with float32 accumulation, rounded to x's dtype; optionally
     ``residual += y`` in place, or the rotary embedding and K/V store of a QKV product.
 
@@ -282,8 +266,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
             :class:`~ngram_hal.kernels.triton.products.ProductTable`'s choice for the weight's
             shape); one tiling for every row count keeps rows batch-invariant.
         pdl: launch with programmatic dependent launch (:mod:`ngram_hal.kernels.triton.pdl`).
-        prefetch: with ``pdl``, each program asks L2 for its weight rows before it waits for the
-            kernel before it (rows of 16-byte multiples only; the same results either way).
     Returns:
         float[M, N]: y, or the updated ``residual``; with ``rope`` the queries float[M, Hq, d].
     """
@@ -321,9 +303,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
             two = glu or rope is not None
             partials = torch.empty(((2 if two else 1) * splits * M * N,), dtype=torch.float32, device=x.device)
             counters = tile_counters(x.device, tiles[0] * tiles[1], "fused_linear with a split K")
-        launch = pdl_keywords(pdl)
-        row_bytes = K * weight.element_size()
-        prefetch = prefetch and launch["PDL"] and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0
         linear_kernel[(*tiles, splits)](x, weight, out, partials, counters, M, N, K, k_split,
                                         0.0 if norm_eps is None else norm_eps, *rope_args,
                                         NORM=norm_eps is not None, GLU=glu, ADD=residual is not None,
@@ -331,7 +310,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
                                         BLOCK_N=block_n, BLOCK_K=tiling.block_k, SPLIT=splits,
                                         NORM_BLOCK=min(1024, triton.next_power_of_2(K)), IEEE=x.dtype == torch.float32,
                                         UPCAST=x.dtype != torch.float32 and interpreting(), num_warps=tiling.num_warps,
-                                        num_stages=tiling.num_stages, PREFETCH=prefetch, **launch)
+                                        num_stages=tiling.num_stages, **pdl_keywords(pdl))
     return out
 
 

@@ -85,8 +85,6 @@ class LaunchConfig:
             larger products launch one after another. (On an H200 every kernel launched early
             made SmolLM2's decode steps 5-14 % faster and Llama-8B's 5-10 % slower, whose products
             each fill the device: docs/h200.md.)
-        prefetch_weights: a product launched early asks L2 for its weight rows before it waits for
-            the kernel before it, so they stream while that kernel finishes (sm_90's bulk prefetch).
     """
 
     warp_size: int = 32
@@ -119,7 +117,6 @@ class LaunchConfig:
     rope_in_product: bool = True
     pdl: bool = False
     pdl_max_weight_bytes: int = 16 << 20
-    prefetch_weights: bool = True
 
     def attn_block_n(self, head_dim: int, elt_bytes: int, few_queries: bool = False) -> int:
         """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode and

@@ -42,7 +42,7 @@ from ..triton.counters import tile_counters
 from ..triton.launch import interpreting
 from ..triton.pdl import await_previous, pdl_keywords
 from ..triton.products import Tiling
-from .rotary import RopeStore, check_rope_store
+from .rotary import RopeStore, check_rope_store, rotate_pair
 
 
 # 32 output columns and 256 reduction steps a program: the fastest of the tilings that
@@ -136,9 +136,9 @@ def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_s
     dtype = q_ptr.dtype.element_ty
     x1 = acc.to(dtype).to(tl.float32)
     x2 = acc_up.to(dtype).to(tl.float32)
-    # The multiply-adds spelled out as the rotary kernel spells them (the same rounding).
-    y1 = tl.where(rotated[None, :], tl.fma(x1, cos, -(x2 * sin)), x1).to(dtype)
-    y2 = tl.where(rotated[None, :], tl.fma(x2, cos, x1 * sin), x2).to(dtype)
+    r1, r2 = rotate_pair(x1, x2, cos, sin)
+    y1 = tl.where(rotated[None, :], r1, x1).to(dtype)
+    y2 = tl.where(rotated[None, :], r2, x2).to(dtype)
     is_q = pair_ok & (pairs < HQ * HALF)
     q_row = q_ptr + rows[:, None] * (HQ * HEAD_DIM)
     q_mask = row_ok[:, None] & is_q[None, :]

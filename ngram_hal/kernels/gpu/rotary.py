@@ -12,6 +12,14 @@ from ..triton.pdl import await_previous, pdl_keywords
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """The "rotate half" rotation of float32 pairs ``(x1, x2)`` by ``cos``/``sin``: ``(x1 cos - x2 sin,
+    x2 cos + x1 sin)``, its multiply-adds spelled out so that every kernel that rotates (this
+    module's and the QKV product's epilogue) rounds alike whatever the compiler would fuse."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_ptr, max_pos, num_slots,
                          HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
@@ -28,10 +36,9 @@ def rotary_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, loc_
     rotated = heads < HQ + H
     x1 = tl.load(base + heads[:, None] * HEAD_DIM + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(base + heads[:, None] * HEAD_DIM + HALF + j[None, :], mask=rotated[:, None], other=0.0).to(tl.float32)
-    # The multiply-adds spelled out, so that the QKV product's rotation (matmul._rope_epilogue)
-    # rounds alike whatever the compiler would fuse.
-    y1 = tl.fma(x1, cos[None, :], -(x2 * sin[None, :])).to(q_ptr.dtype.element_ty)
-    y2 = tl.fma(x2, cos[None, :], x1 * sin[None, :]).to(q_ptr.dtype.element_ty)
+    y1, y2 = rotate_pair(x1, x2, cos[None, :], sin[None, :])
+    y1 = y1.to(q_ptr.dtype.element_ty)
+    y2 = y2.to(q_ptr.dtype.element_ty)
     is_q = heads < HQ
     q_out = q_ptr + row * HQ * HEAD_DIM + heads[:, None] * HEAD_DIM
     tl.store(q_out + j[None, :], y1, mask=is_q[:, None])

@@ -110,6 +110,27 @@ def test_fused_linear_norm_glu_and_residual(dtype, tiling):
     torch.testing.assert_close(residual.double(), before.double() + x.double() @ w.double().T, atol=tol * 4, rtol=tol)
 
 
+@pytest.mark.parametrize("glu", [False, True], ids=["norm", "norm-glu"])
+def test_fused_norm_rows_are_the_same_in_every_batch_and_unsplit_tiling(glu):
+    """The norm's sums of squares come from the product's own walk (the diagonal of x @ x.T): a row
+    gives the same bits alone as in a batch, and in every tiling that does not split K whatever its
+    tile, steps and warps (what lets the batch-invariant mode take each row count's fastest tiling)."""
+    dtype = torch.bfloat16
+    x, w, g = _randn(40, 256, dtype=dtype, seed=15), _randn(64, 256, dtype=dtype, seed=16), _randn(256, dtype=dtype,
+                                                                                                    seed=17)
+    weight = fold_norm(w, g)
+    first = Tiling(16, 32, 64)
+    out = fused_linear(x, weight, norm_eps=1e-5, glu=glu, tiling=first)
+    want = rms_norm(x, g, 1e-5).double() @ w.double().T
+    if not glu:
+        torch.testing.assert_close(out.double(), want, atol=0.4, rtol=TOL[dtype])
+    for rows in ([0], [3, 4], list(range(16, 40))):
+        assert_invariant(fused_linear(x[rows].contiguous(), weight, norm_eps=1e-5, glu=glu, tiling=first), out[rows],
+                         f"rows {rows} computed in a smaller batch")
+    for tiling in (Tiling(16, 16, 256), Tiling(32, 64, 128, 4, 2), Tiling(64, 32, 64, 8, 3)):
+        assert_invariant(fused_linear(x, weight, norm_eps=1e-5, glu=glu, tiling=tiling), out, f"tiling {tiling}")
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 64], ids=lambda s: f"split{s}")
 def test_split_k_product_is_deterministic_and_row_invariant(split_k):
     """A split reduction (K = 200 in runs of 32-step blocks: 4 runs of 64, 3 of 96 with the last

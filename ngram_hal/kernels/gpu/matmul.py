@@ -6,7 +6,10 @@ applied after the product), SwiGLU after a fused gate/up product, and the residu
 A decode step is made of launches, not of bytes (SmolLM2's projections read 0.3 to 3.5 MB each),
 so folding the norms, the activation and the residual adds into the products removes three
 launches a layer. Nothing runs between a tile's load and its matrix product, so the loads stay
-pipelined.
+pipelined. The norm's sums of squares are the diagonal of ``x @ x.T``, taken on the matrix units
+from the same tiles of x as the product, so the epilogue reads x no second time and holds no
+``[rows, K]`` block of it in registers (a split product's last program, whose walk saw a run of K
+only, reads x again).
 
 Every row is computed by the same sequence of operations whatever the number of rows: the same
 tile shape, the same walk over K, the same matrix instruction. With the fixed :data:`INVARIANT`
@@ -68,12 +71,13 @@ def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM: tl.constexpr,
-              GLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """The tile's finished float32 sums to its output: the norm's row scale, SwiGLU, the residual
-    add, the store."""
+def _epilogue(acc, acc_up, inv, out_ptr, rows, cols, row_ok, col_ok, N, NORM: tl.constexpr, GLU: tl.constexpr,
+              ADD: tl.constexpr):
+    """The tile's finished float32 sums to its output: the norm's row scale ``inv``, SwiGLU, the
+    residual add, the store."""
     if NORM:
-        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
+        acc = acc * inv[:, None]
+        acc_up = acc_up * inv[:, None]
     dtype = out_ptr.dtype.element_ty
     if GLU:
         gate = acc.to(dtype).to(tl.float32)
@@ -90,17 +94,16 @@ def _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps
 
 
 @triton.jit
-def _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """Both accumulators times each row's ``1 / rms(x)``:
-    rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x), the row's scale after the product."""
+def _row_squares(x_ptr, rows, row_ok, K, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """float32[BLOCK_M]: each row's sum of squares over all K of x, read again (a split product's
+    last program, whose own walk saw a run of K only)."""
     squares = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, NORM_BLOCK):
         k = k0 + tl.arange(0, NORM_BLOCK)
         xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
                      other=0.0).to(tl.float32)
         squares += tl.sum(xs * xs, 1)
-    inv = 1.0 / tl.sqrt(squares / K + eps)
-    return acc * inv[:, None], acc_up * inv[:, None]
+    return squares
 
 
 @triton.jit
@@ -122,16 +125,17 @@ def _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, pairs, row_ok, pair_
 
 
 @triton.jit
-def _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, pairs, col_a, col_b,
-                   row_ok, pair_ok, rotated, K, eps, NORM: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def _rope_epilogue(acc, acc_up, inv, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, pairs, col_a, col_b,
+                   row_ok, pair_ok, rotated, NORM: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
     """The QKV tile's finished sums (``acc`` the columns ``col_a``, ``acc_up`` their partners
-    ``col_b``) to rotated queries and the cache: each sum rounded to the output dtype, the pair
-    rotated in float32 ("rotate half") by the rows' ``cos``/``sin`` (:func:`_rope_turns`), rounded
-    once; queries to ``q``, keys and values to the row's slot ``loc`` (rows whose slot is -1 or
-    outside the cache store none)."""
+    ``col_b``) to rotated queries and the cache: the norm's row scale ``inv``, each sum rounded to
+    the output dtype, the pair rotated in float32 ("rotate half") by the rows' ``cos``/``sin``
+    (:func:`_rope_turns`), rounded once; queries to ``q``, keys and values to the row's slot ``loc``
+    (rows whose slot is -1 or outside the cache store none)."""
     if NORM:
-        acc, acc_up = _norm_scale(acc, acc_up, x_ptr, rows, row_ok, K, eps, BLOCK_M, NORM_BLOCK)
+        acc = acc * inv[:, None]
+        acc_up = acc_up * inv[:, None]
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = q_ptr.dtype.element_ty
     x1 = acc.to(dtype).to(tl.float32)
@@ -187,6 +191,10 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
     TWO: tl.constexpr = GLU or ROPE
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # The norm's sums of squares as the diagonal of x @ x.T, on the matrix units in the walk's own
+    # order: the same bits whatever the tile, and no second read of x after the walk.
+    GRAM: tl.constexpr = NORM and SPLIT == 1
+    gram = tl.zeros((BLOCK_M, BLOCK_M), tl.float32)
     k_lo = 0
     k_hi = K
     if SPLIT > 1:
@@ -195,6 +203,8 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        if GRAM:
+            gram = _dot(x, tl.trans(x), gram, IEEE, UPCAST)
         w_mask = col_ok[None, :] & (k < K)[:, None]
         w = tl.load(w_ptr + col_a[None, :] * K + k[:, None], mask=w_mask, other=0.0)
         acc = _dot(x, w, acc, IEEE, UPCAST)
@@ -229,12 +239,18 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                     acc_up += tl.load(part_ptr + (((SPLIT + s) * M + rows[:, None]) * N + cols[None, :]),
                                       mask=tile_mask, other=0.0, cache_modifier=".cg")
     if finish:
+        # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): each row's scale after the product.
+        inv = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if GRAM:
+            own = tl.arange(0, BLOCK_M)
+            inv = 1.0 / tl.sqrt(tl.sum(tl.where(own[:, None] == own[None, :], gram, 0.0), 1) / K + eps)
+        elif NORM:
+            inv = 1.0 / tl.sqrt(_row_squares(x_ptr, rows, row_ok, K, BLOCK_M, NORM_BLOCK) / K + eps)
         if ROPE:
-            _rope_epilogue(acc, acc_up, x_ptr, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, cols, col_a,
-                           col_b, row_ok, col_ok, rotated, K, eps, NORM, HQ, H, HEAD_DIM, BLOCK_M, NORM_BLOCK)
+            _rope_epilogue(acc, acc_up, inv, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, cols, col_a, col_b,
+                           row_ok, col_ok, rotated, NORM, HQ, H, HEAD_DIM)
         else:
-            _epilogue(acc, acc_up, x_ptr, out_ptr, rows, cols, row_ok, col_ok, N, K, eps, NORM, GLU, ADD, BLOCK_M,
-                      NORM_BLOCK)
+            _epilogue(acc, acc_up, inv, out_ptr, rows, cols, row_ok, col_ok, N, NORM, GLU, ADD)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,

@@ -28,7 +28,7 @@ def test_matches_f_linear(weight, threads, rows):
 
 
 def test_a_row_does_not_depend_on_its_batch(weight, threads):
-    """Within the kernel's range (blocks of one, two or four rows) a row's floats are the same
+    """Within the kernel's range (blocks of up to BLOCK_ROWS rows) a row's floats are the same
     whatever else is in the batch."""
     layer = PanelLinear(weight)
     x = torch.randn(KERNEL_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(1))

@@ -11,7 +11,8 @@ Layout: the ``[N, K]`` weight is stored as ``P = ceil(N / PANEL)`` panels of ``[
 contiguous block. Up to :data:`KERNEL_ROWS` rows a compiled kernel (numba) walks each panel
 once per block of rows, in order of k, and adds ``x[m, k] * panel[k, :]`` to the partial sums of
 the block's rows, ``[rows, PANEL]`` of them in a stack buffer that the compiler keeps in
-registers: blocks of four rows, and the one to three rows left over as one more block. A panel
+registers: blocks of :data:`BLOCK_ROWS` rows (six with AVX-512, else four), and the rows left
+over as one more block. A panel
 of 64 columns walked whole streams its weights in order, which the memory prefetchers follow
 better than column strips of a wider panel walked one after another (the layout before, measured
 against this one in ``docs/engine.md``).
@@ -38,6 +39,7 @@ import threading
 import numba
 import numpy as np
 import torch
+from llvmlite import binding
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
@@ -48,8 +50,20 @@ PANEL = 64
 CODE_BLOCK = 32
 """Weights of one row that share a scale (and a minimum) in the block-quantization codes (Q4_1,
 Q8_0) that :func:`weight_at` decodes."""
-BLOCK_ROWS = 4
-"""Rows of a kernel block; the 1-3 rows left over run as one block of their own size."""
+
+
+def _block_rows() -> int:
+    """Rows of a kernel block: 6 where the CPU has AVX-512, whose 32 vector registers hold six rows'
+    partial sums for a panel (24 of them), else 4."""
+    return 6 if binding.get_host_cpu_features().get("avx512f") else 4
+
+
+BLOCK_ROWS = _block_rows()
+"""Rows of a kernel block; the rows left over (fewer than a block) run as one block of their own
+size. On the 2-core AMD EPYC (AVX-512), one SmolLM2 step's projections over the file's codes
+(``python bench/bench_panel_linear.py --threads 1``, ``docs/bench/cpu-block-rows/``) took 0.83-0.89x
+the time of blocks of four at 9-32 rows and 0.75x at 5 (two threads: 0.89-0.92x and 0.79x), the
+same at 1-4 and 8 rows; blocks of eight spill their sums and took 1.16x at 9."""
 KERNEL_ROWS = 128
 """Measured on the 2-core CPU, every projection of SmolLM2, 1 and 2 threads (``python
 bench/bench_panel_linear.py --kernel-rows 0``, then a large value): at 8-128 rows the kernel took
@@ -114,17 +128,22 @@ def _block(x, weights, out, p, m0, rows):
 
 @njit(fastmath=True, boundscheck=False, inline="always")
 def _panel(x, weights, out, p):
-    """Panel p of ``out = x @ weights``: blocks of BLOCK_ROWS rows, then one of the 1-3 rows left."""
+    """Panel p of ``out = x @ weights``: blocks of BLOCK_ROWS rows, then one of the rows left."""
     M = x.shape[0]
     whole = M - M % BLOCK_ROWS
     for m0 in range(0, whole, BLOCK_ROWS):
         _block(x, weights, out, p, m0, BLOCK_ROWS)
-    if M - whole == 1:
+    left = M - whole
+    if left == 1:
         _block(x, weights, out, p, whole, 1)
-    elif M - whole == 2:
+    elif left == 2:
         _block(x, weights, out, p, whole, 2)
-    elif M - whole == 3:
+    elif left == 3:
         _block(x, weights, out, p, whole, 3)
+    elif left == 4:
+        _block(x, weights, out, p, whole, 4)
+    elif left == 5:
+        _block(x, weights, out, p, whole, 5)
 
 
 @njit(cache=True, fastmath=True, boundscheck=False)

@@ -71,13 +71,9 @@ def _dot(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, inv, out_ptr, rows, cols, row_ok, col_ok, N, NORM: tl.constexpr, GLU: tl.constexpr,
-              ADD: tl.constexpr):
-    """The tile's finished float32 sums to its output: the norm's row scale ``inv``, SwiGLU, the
+def _epilogue(acc, acc_up, out_ptr, rows, cols, row_ok, col_ok, N, GLU: tl.constexpr, ADD: tl.constexpr):
+    """The tile's finished float32 sums (the norm's row scale applied) to its output: SwiGLU, the
     residual add, the store."""
-    if NORM:
-        acc = acc * inv[:, None]
-        acc_up = acc_up * inv[:, None]
     dtype = out_ptr.dtype.element_ty
     if GLU:
         gate = acc.to(dtype).to(tl.float32)
@@ -125,17 +121,13 @@ def _rope_turns(pos_ptr, table_ptr, loc_ptr, max_pos, rows, pairs, row_ok, pair_
 
 
 @triton.jit
-def _rope_epilogue(acc, acc_up, inv, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, pairs, col_a, col_b,
-                   row_ok, pair_ok, rotated, NORM: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
-    """The QKV tile's finished sums (``acc`` the columns ``col_a``, ``acc_up`` their partners
-    ``col_b``) to rotated queries and the cache: the norm's row scale ``inv``, each sum rounded to
-    the output dtype, the pair rotated in float32 ("rotate half") by the rows' ``cos``/``sin``
+def _rope_epilogue(acc, acc_up, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, pairs, col_a, col_b, row_ok,
+                   pair_ok, rotated, HQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The QKV tile's finished sums (the norm's row scale applied; ``acc`` the columns ``col_a``,
+    ``acc_up`` their partners ``col_b``) to rotated queries and the cache: each sum rounded to the
+    output dtype, the pair rotated in float32 ("rotate half") by the rows' ``cos``/``sin``
     (:func:`_rope_turns`), rounded once; queries to ``q``, keys and values to the row's slot ``loc``
     (rows whose slot is -1 or outside the cache store none)."""
-    if NORM:
-        acc = acc * inv[:, None]
-        acc_up = acc_up * inv[:, None]
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = q_ptr.dtype.element_ty
     x1 = acc.to(dtype).to(tl.float32)
@@ -239,18 +231,21 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                     acc_up += tl.load(part_ptr + (((SPLIT + s) * M + rows[:, None]) * N + cols[None, :]),
                                       mask=tile_mask, other=0.0, cache_modifier=".cg")
     if finish:
-        # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): each row's scale after the product.
-        inv = tl.full((BLOCK_M,), 1.0, tl.float32)
-        if GRAM:
-            own = tl.arange(0, BLOCK_M)
-            inv = 1.0 / tl.sqrt(tl.sum(tl.where(own[:, None] == own[None, :], gram, 0.0), 1) / K + eps)
-        elif NORM:
-            inv = 1.0 / tl.sqrt(_row_squares(x_ptr, rows, row_ok, K, BLOCK_M, NORM_BLOCK) / K + eps)
+        if NORM:
+            # rmsnorm(x) @ (W * g).T = (x @ (W * g).T) / rms(x): each row's scale after the product.
+            if GRAM:
+                own = tl.arange(0, BLOCK_M)
+                squares = tl.sum(tl.where(own[:, None] == own[None, :], gram, 0.0), 1)
+            else:
+                squares = _row_squares(x_ptr, rows, row_ok, K, BLOCK_M, NORM_BLOCK)
+            inv = 1.0 / tl.sqrt(squares / K + eps)
+            acc = acc * inv[:, None]
+            acc_up = acc_up * inv[:, None]
         if ROPE:
-            _rope_epilogue(acc, acc_up, inv, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, cols, col_a, col_b,
-                           row_ok, col_ok, rotated, NORM, HQ, H, HEAD_DIM)
+            _rope_epilogue(acc, acc_up, q_ptr, k_ptr, v_ptr, cos, sin, loc, num_slots, rows, cols, col_a, col_b, row_ok,
+                           col_ok, rotated, HQ, H, HEAD_DIM)
         else:
-            _epilogue(acc, acc_up, inv, out_ptr, rows, cols, row_ok, col_ok, N, NORM, GLU, ADD)
+            _epilogue(acc, acc_up, out_ptr, rows, cols, row_ok, col_ok, N, GLU, ADD)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,

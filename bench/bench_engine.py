@@ -293,8 +293,14 @@ class Workload:
                                  num_slots=num_slots, model=model, drafter=cfg.drafter)
 
     def run(self, engine) -> list[RunResult]:
-        """Every group once on ``engine``, untimed by the caller's choice (the warm-up)."""
-        return [run_prompts(engine, self.setup.tokenizer, g, self.params) for g in self.groups]
+        """Every group once on ``engine``, untimed by the caller's choice (the warm-up), then the
+        captured prefill of every shape an admission may take, as :meth:`Engine.warm_up
+        <ngram_hal.engine.engine.Engine.warm_up>` captures them: a timed pass whose admissions
+        fall otherwise (``auto`` sizes its steps by measured times) would capture the rest."""
+        results = [run_prompts(engine, self.setup.tokenizer, g, self.params) for g in self.groups]
+        if engine.graphs is not None:
+            engine.graphs.capture_prefills()
+        return results
 
     def timed_pass(self, engine) -> tuple[float, list[RunResult], Counter]:
         """Every group once, each with a fresh drafter and policy: (tokens/s, results, tree sizes chosen)."""

@@ -105,6 +105,14 @@ def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.
     return kernels.linear_add(x, linear, residual)
 
 
+def candidates(kind: str, sweep: tuple[Tiling, ...]) -> tuple[Tiling, ...]:
+    """The fused tilings timed for a product: ``sweep``, and for QKV also each unsplit one with the
+    rotary kernel after it (``rotate`` False) as well as the rotation in its epilogue."""
+    if kind != "qkv":
+        return sweep
+    return sweep + tuple(t._replace(rotate=False) for t in sweep if t.split_k == 1)
+
+
 def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], rows: int, tiling: Tiling | None):
     """``kernels`` set to run ``tiling`` (None: the steps apart) for weights of ``weight_shape``."""
     choice = ShapeChoice(n=weight_shape[0], k=weight_shape[1], by_rows=(RowsChoice(max_rows=rows, tiling=tiling),),
@@ -146,7 +154,7 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
             forced(kernels, base, (n, k), rows, None)
             want = output(kind, kernels, linears[0], x, step)
             apart_us = None
-            for tiling in (None, *(t for t in sweep if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
+            for tiling in (None, *(t for t in candidates(kind, sweep) if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
                 forced(kernels, base, (n, k), rows, tiling)
                 try:
                     got = output(kind, kernels, linears[0], x, step)
@@ -170,7 +178,8 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
                                  "weight_gb_per_s": None if us is None else weight_bytes / us / 1e3,
                                  "vs_apart": None if us is None or apart_us is None else apart_us / us,
                                  "max_rel_diff": err, "same_bits": same_bits, "weight_copies": copies})
-        console.print(f"{name} {kind} [{n}, {k}]: {len(args.rows)} row counts x {1 + len(sweep)} candidates")
+        console.print(f"{name} {kind} [{n}, {k}]: {len(args.rows)} row counts x {1 + len(candidates(kind, sweep))} "
+                      "candidates")
         del linears
     kernels.launch = base
     return rows_out

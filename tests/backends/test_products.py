@@ -12,10 +12,11 @@ import torch
 pytest.importorskip("triton")
 from tiny_model import TINY  # noqa: E402
 
-from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels  # noqa: E402
+from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels, TritonLinear  # noqa: E402
 from ngram_hal.kernels.gpu.matmul import SMALL_ROWS  # noqa: E402
 from ngram_hal.kernels.triton import LaunchConfig  # noqa: E402
 from ngram_hal.kernels.triton.products import SCHEMA, ProductTable, Tiling, choose, table_for  # noqa: E402
+from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.model_kernels import DenseLinear  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
@@ -59,6 +60,30 @@ def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_else
     assert kernels.tiling(backend.launch.fused_linear_rows + 1, unlisted) is None
     invariant = TritonLayerKernels(TINY, backend, torch.float32, batch_invariant=True)
     assert invariant.tiling(5, listed) == Tiling(16, 32, 256) and invariant.tiling(500, unlisted) == SMALL_ROWS
+
+
+def test_a_qkv_tiling_that_does_not_rotate_leaves_the_rotation_to_the_rotary_kernel():
+    """``rotate`` False (``/rk``): the table's tiling reaches the kernels as it is, and the QKV step
+    (the product in that tiling, then the rotary kernel) gives the rotating product's bits."""
+    tiling, unrotated = Tiling(16, 16, 64), Tiling(16, 16, 64, rotate=False)
+    assert unrotated.label == "16x16x64/rk" and list(unrotated) == [16, 16, 64, 4, 3, 1, False]
+    backend = CudaBackend(device=DEVICE)
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    x = torch.randn(5, TINY.hidden_size, generator=gen, device=DEVICE)
+    weight = 0.1 * torch.randn(QKV, generator=gen, device=DEVICE)
+    positions = torch.tensor([0, 3, 9, 40, 2], device=DEVICE)
+    locs = torch.tensor([4, -1, 0, 7, 2], device=DEVICE)
+    results = {}
+    for t in (tiling, unrotated):
+        backend.launch = dataclasses.replace(backend.launch, products=table(shape(*QKV, [(8, list(t))])))
+        kernels = TritonLayerKernels(TINY, backend, torch.float32)
+        assert kernels.tiling(5, DenseLinear(weight)) == t
+        kv = KVCache(1, 8, TINY.num_kv_heads, TINY.head_dim, torch.float32, DEVICE)
+        q = kernels.norm_rope_store(x, None, TritonLinear(weight, kernels), positions, kv, 0, locs)
+        results[t.rotate] = (q, kv.k[0], kv.v[0])
+    for name, a, b in zip(("queries", "K", "V"), results[True], results[False]):
+        assert torch.equal(a, b), f"the {name} differ between the rotating product and the rotary kernel"
+    assert results[True][1][4].any() and not results[True][1][[1, 3, 5, 6]].any(), "stored where the slots say"
 
 
 @pytest.mark.parametrize("bad, message", [

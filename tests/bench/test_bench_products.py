@@ -28,8 +28,12 @@ def test_quick_run_checks_every_product_and_candidate(bench_products, tmp_path):
     results = json.loads(out.read_text())["results"]
     assert {(r["product"], r["n"], r["k"]) for r in results} == {
         ("qkv", 128, 64), ("o", 64, 64), ("gate_up", 192, 64), ("down", 64, 96), ("lm_head", 96, 64)}
-    assert {r["candidate"] for r in results} == {"apart", "16x32x256", "16x16x64", "16x16x64/k2"}
-    assert len(results) == 5 * 2 * 4
+    assert {r["candidate"] for r in results if r["product"] != "qkv"} == {"apart", "16x32x256", "16x16x64",
+                                                                        "16x16x64/k2"}
+    unrotated = {"16x32x256/rk", "16x16x64/rk"}
+    assert {r["candidate"] for r in results if r["product"] == "qkv"} == {"apart", "16x32x256", "16x16x64",
+                                                                        "16x16x64/k2"} | unrotated
+    assert len(results) == 5 * 2 * 4 + 2 * 2
     assert all(r["max_rel_diff"] < 1e-4 and r["us"] is None for r in results), "float32, and no timings on the CPU"
 
 
@@ -52,7 +56,8 @@ def test_a_tiling_whose_stages_do_not_fit_the_device_is_skipped_and_listed(bench
     out = tmp_path / "products.json"
     bench_products.main(["--device", "cpu", "--shapes", str(shape), "--rows", "1,3", "--quick", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert {r["candidate"] for r in report["results"]} == {"apart", "16x32x256", "16x16x64/k2"}
+    assert {r["candidate"] for r in report["results"]} == {"apart", "16x32x256", "16x16x64/k2", "16x32x256/rk",
+                                                           "16x16x64/rk"}
     assert len(report["skipped"]) == 5 * 2
     assert {tuple(s["tiling"]) for s in report["skipped"]} == {tuple(Tiling(16, 16, 64))}
     assert all("shared memory" in s["reason"] for s in report["skipped"])

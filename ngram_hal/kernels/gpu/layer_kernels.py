@@ -40,7 +40,8 @@ class TritonLayerKernels(TorchLayerKernels):
     The rotary kernel reads cos/sin from a table of ``max_positions`` rows built once (positions
     past it are clamped) and writes K/V straight into the cache rows (-1 locs skipped); where the
     QKV projection runs as a fused product (and the launch's ``rope_in_product``), that product
-    does the rotation and the store itself (one launch fewer a layer). The
+    does the rotation and the store itself (one launch fewer a layer) unless its tiling says the
+    rotary kernel does (``Tiling.rotate``: many rows, where the product's epilogue costs more). The
     norms' weights are folded into the projections after them. Each projection runs as the
     launch's product table chooses for its weight shape and rows; shapes it does not list, by the
     fixed rule: forwards of at most ``backend.launch.fused_linear_rows`` rows run each projection
@@ -97,7 +98,7 @@ class TritonLayerKernels(TorchLayerKernels):
     def norm_rope_store(self, x, norm, linear, rope, kv, layer, out_cache_loc, delta=None):
         fused = delta is None and self.launch.rope_in_product
         tiling = self.tiling(x.shape[0], linear) if fused else None
-        if tiling is None:
+        if tiling is None or not tiling.rotate:
             return super().norm_rope_store(x, norm, linear, rope, kv, layer, out_cache_loc, delta)
         cfg = self.config
         store = RopeStore(rope, self.table, kv.k[layer], kv.v[layer], out_cache_loc, cfg.num_heads, cfg.num_kv_heads)

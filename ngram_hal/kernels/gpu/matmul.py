@@ -160,8 +160,10 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     await_previous(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # Row tiles vary fastest: the programs that run together share a run of the weight's columns,
+    # so a weight larger than L2 streams from memory once, not once per row tile.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -214,7 +216,7 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
         tl.store(part_ptr + ((split * M + rows[:, None]) * N + cols[None, :]), acc, mask=tile_mask)
         if TWO:
             tl.store(part_ptr + (((SPLIT + split) * M + rows[:, None]) * N + cols[None, :]), acc_up, mask=tile_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_n * tl.num_programs(0) + pid_m
         tl.debug_barrier()
         finish = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
         if finish:
@@ -305,7 +307,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
     else:
         out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        tiles = (triton.cdiv(columns, block_n), triton.cdiv(M, tiling.block_m))
+        tiles = (triton.cdiv(M, tiling.block_m), triton.cdiv(columns, block_n))
         # K in runs of whole BLOCK_K steps, one per split (a short K may leave fewer splits).
         k_split = triton.cdiv(triton.cdiv(K, tiling.split_k), tiling.block_k) * tiling.block_k
         splits = triton.cdiv(K, k_split)

@@ -27,9 +27,10 @@ SCHEMA = "ngram-hal/product-table/1"
 
 class Tiling(NamedTuple):
     """Rows, output columns and reduction steps of one program of the fused product, its warps and
-    software-pipelining stages, and the parts its reduction is split into (``split_k`` programs
-    per output tile, each over a run of K; the tile's last one to finish adds their float32
-    partial sums in split order)."""
+    software-pipelining stages, the parts its reduction is split into (``split_k`` programs per
+    output tile, each over a run of K; the tile's last one to finish adds their float32 partial
+    sums in split order), and whether a QKV product also rotates the queries and keys and stores
+    K/V (``rotate``; False: the rotary kernel does it after the product, the same bits)."""
 
     block_m: int
     block_n: int
@@ -37,21 +38,25 @@ class Tiling(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    rotate: bool = True
 
     @property
     def label(self) -> str:
         """``MxNxK``, then ``/wW``, ``/sS`` and ``/kP`` where warps, stages and splits differ from 4, 3
-        and 1."""
+        and 1, and ``/rk`` where the rotary kernel rotates."""
         warps = "" if self.num_warps == 4 else f"/w{self.num_warps}"
         stages = "" if self.num_stages == 3 else f"/s{self.num_stages}"
         splits = "" if self.split_k == 1 else f"/k{self.split_k}"
-        return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}{splits}"
+        rotary = "" if self.rotate else "/rk"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}{splits}{rotary}"
 
 
 def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
     """``tiling`` unchanged; a ValueError where a block or the warps are not a positive power of two
     or the stages or splits not positive."""
     for name, v in zip(Tiling._fields, tiling or ()):
+        if name == "rotate":
+            continue
         plain_int = name in ("num_stages", "split_k")
         if v < 1 or (not plain_int and v & (v - 1)):
             raise ValueError(f"tiling {list(tiling)}: {name} must be a positive "

@@ -23,6 +23,8 @@ another; ``--rope on,off`` likewise with the QKV product that also rotates and s
 Triton backends' default) and the rotary kernel after the product. ``--transformers`` adds
 transformers' ``generate`` with a static cache on the same shape (its own random weights), batch 1.
 ``--launch FIELD=VALUE,...`` sets fields of the Triton launch configuration for every row.
+``--batch-invariant`` runs the model in the batch-invariant mode (its cost: a run with it against
+one without).
 ``--profile-steps N`` adds to each row, on CUDA, N decode steps under the profiler: kernels,
 launches and device time a step, and the costliest kernels (``bench/step_profile.py``). Targets from
 the real-shapes issue are checked and printed, never an exit code.
@@ -321,6 +323,8 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="on CUDA, profile N decode steps of each row after its timed pass: kernels, launches and "
                              "device time per step, the costliest kernels (default 0: off)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the model in the batch-invariant mode: a row's bits whatever the rows beside it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_shapes.json", help="where to write the JSON report")
     args = parser.parse_args(argv)
@@ -333,6 +337,8 @@ def main(argv=None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     backend = get_backend(args.backend, device=args.device, require=OPS)
+    if args.batch_invariant and not backend.batch_invariant:
+        parser.error(f"--batch-invariant: backend '{backend.name}' has no batch-invariant mode")
     device = backend.device
     dtype = DTYPES[args.dtype] or default_dtype(device)
     bandwidth = None if backend.runtime.is_host else backend.runtime.copy_bandwidth(args.copy_bytes)
@@ -345,7 +351,8 @@ def main(argv=None) -> None:
         check_fits(name, config, dtype, max(args.batch_sizes) * context, backend.runtime.free_memory())
         backend.runtime.reset_peak_memory()
         start = time.perf_counter()
-        model = LlamaModel(config, random_weights(config, args.seed, device, dtype), backend, dtype)
+        model = LlamaModel(config, random_weights(config, args.seed, device, dtype), backend, dtype,
+                           args.batch_invariant)
         made_s = time.perf_counter() - start
         rows += engine_rows(name, model, args, bandwidth, flops)
         console.print(f"{name}: {len(args.batch_sizes) * 2} engine rows in {time.perf_counter() - start:.0f} s")

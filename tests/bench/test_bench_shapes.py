@@ -88,3 +88,17 @@ def test_launch_fields_apply_to_triton_kernels_only(tmp_path, load_bench):
     with pytest.raises(SystemExit, match="--launch: the cpu backend's model kernels have no Triton launch"):
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--launch", "attn_invariant_fill=2",
                            "--json", str(tmp_path / "out.json")])
+
+
+def test_the_batch_invariant_mode_runs_and_is_reported(tmp_path, load_bench):
+    bench_shapes = load_bench("bench_shapes")
+
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    out = tmp_path / "shapes.json"
+    bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--batch-sizes", "2", "--prompt-len", "8",
+                       "--new-tokens", "4", "--tree-size", "4", "--batch-invariant", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["options"]["batch_invariant"] is True
+    assert [(r["batch"], r["tree_size"]) for r in report["runs"]] == [(2, 1), (2, 4)]

@@ -33,6 +33,10 @@ the device's bandwidth idle; a tiling's ``split_k`` cuts its reduction into runs
 whose float32 partial sums the tile's last program adds in split order before the epilogue (one
 launch, no atomics on the values, the same bits on every run). The product table takes it where the
 sweep found it faster.
+
+The row tiles of one run of output columns are neighbouring programs, so the programs resident at
+once read the same columns of the weight: a weight larger than L2 (SmolLM2's LM head is 57 MB) is
+streamed from memory once per call, not once per row tile, and x, a few MB at most, stays in L2.
 """
 
 from __future__ import annotations
@@ -160,8 +164,7 @@ def linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, 
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     await_previous(PDL)
-    # Row tiles vary fastest: the programs that run together share a run of the weight's columns,
-    # so a weight larger than L2 streams from memory once, not once per row tile.
+    # Row tiles vary fastest (the module docstring).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -7,6 +7,9 @@ product only: where the sweep found every tiling's rows bit-identical to every o
 count (``tilings_agree``: on NVIDIA tensor cores each output is the same chain of 16-deep products
 whatever the tile), the fastest fused tiling of the bucket; elsewhere one tiling for every row count.
 The invariant mode never splits a reduction (``split_k`` 1): a split's partial sums round otherwise.
+A QKV tiling also says where the rotary embedding and the K/V store run (``rotate``): in the
+product's epilogue, or in the rotary kernel after it; the two give the same bits, so the choice may
+differ by row count in either mode.
 ``bench/bench_products.py --write-table`` times every candidate for
 the projections of the shapes it is given and writes the fastest as a :class:`ProductTable`; a
 backend loads the table of its device and hands it to the model kernels in its

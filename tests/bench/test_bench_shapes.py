@@ -7,12 +7,18 @@ import json
 import pytest
 
 
+def tiny_shape(tmp_path, **fields):
+    """A JSON shape file of a tiny Llama with ``fields`` (layers, positions) set."""
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                                 "num_kv_heads": 2, "head_dim": 8, **fields}))
+    return shape
+
+
 def test_a_tiny_shape_reports_plain_and_verify_rows(tmp_path, load_bench):
     bench_shapes = load_bench("bench_shapes")
 
-    shape = tmp_path / "tiny.json"
-    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
-                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 256}))
+    shape = tiny_shape(tmp_path, num_layers=2, max_position_embeddings=256)
     out = tmp_path / "shapes.json"
     bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--batch-sizes", "1,2", "--prompt-len", "8",
                        "--new-tokens", "5", "--tree-size", "4", "--json", str(out)])
@@ -41,9 +47,7 @@ def test_an_unknown_shape_is_a_usage_error(load_bench, capsys):
 def test_launch_modes_the_backend_lacks_are_refused(tmp_path, load_bench, capsys):
     bench_shapes = load_bench("bench_shapes")
 
-    shape = tmp_path / "tiny.json"
-    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    shape = tiny_shape(tmp_path, num_layers=1, max_position_embeddings=64)
     with pytest.raises(SystemExit, match="--pdl on,off: the cpu backend's model kernels launch without"):
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--pdl", "on,off", "--json",
                            str(tmp_path / "out.json")])
@@ -82,9 +86,7 @@ def test_products_may_name_a_table_file_to_run_beside_the_backends(tmp_path, loa
 def test_launch_fields_apply_to_triton_kernels_only(tmp_path, load_bench):
     bench_shapes = load_bench("bench_shapes")
 
-    shape = tmp_path / "tiny.json"
-    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    shape = tiny_shape(tmp_path, num_layers=1, max_position_embeddings=64)
     with pytest.raises(SystemExit, match="--launch: the cpu backend's model kernels have no Triton launch"):
         bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--launch", "attn_invariant_fill=2",
                            "--json", str(tmp_path / "out.json")])
@@ -93,9 +95,7 @@ def test_launch_fields_apply_to_triton_kernels_only(tmp_path, load_bench):
 def test_the_batch_invariant_mode_runs_and_is_reported(tmp_path, load_bench):
     bench_shapes = load_bench("bench_shapes")
 
-    shape = tmp_path / "tiny.json"
-    shape.write_text(json.dumps({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    shape = tiny_shape(tmp_path, num_layers=1, max_position_embeddings=64)
     out = tmp_path / "shapes.json"
     bench_shapes.main(["--backend", "cpu", "--shapes", str(shape), "--batch-sizes", "2", "--prompt-len", "8",
                        "--new-tokens", "4", "--tree-size", "4", "--batch-invariant", "--json", str(out)])

@@ -45,23 +45,23 @@ def step_products(results: list[dict], table: ProductTable, layers: dict[str, in
     their sum over a step (``layers[shape]`` layers and the LM head; None where a choice is
     missing from the sweep or its shape from the table)."""
     times = measured(results)
-    shapes = {}
+    weights, row_counts = {}, {}
     for r in results:
-        shapes.setdefault(r["shape"], {})[r["product"]] = (r["n"], r["k"])
-        shapes[r["shape"]].setdefault("rows", set()).add(r["rows"])
+        weights.setdefault(r["shape"], {})[r["product"]] = (r["n"], r["k"])
+        row_counts.setdefault(r["shape"], set()).add(r["rows"])
     out = []
-    for shape, products in shapes.items():
-        for rows in sorted(products.pop("rows")):
+    for shape, products in weights.items():
+        for rows in sorted(row_counts[shape]):
             for mode, pick in MODES.items():
-                row = {"shape": shape, "rows": rows, "mode": mode, "products": {}}
+                chosen = {}
                 for product, (n, k) in products.items():
                     choice = table.lookup(n, k)
                     tiling = None if choice is None else pick(choice, rows)
                     us = None if choice is None else times.get((shape, product, rows, tiling))
-                    row["products"][product] = {"tiling": None if tiling is None else list(tiling), "us": us}
-                us = [row["products"].get(p, {}).get("us") for p in (*LAYER_PRODUCTS, "lm_head")]
-                row["step_us"] = None if None in us else layers[shape] * sum(us[:4]) + us[4]
-                out.append(row)
+                    chosen[product] = {"tiling": None if tiling is None else list(tiling), "us": us}
+                us = [chosen[p]["us"] if p in chosen else None for p in (*LAYER_PRODUCTS, "lm_head")]
+                out.append({"shape": shape, "rows": rows, "mode": mode, "products": chosen,
+                            "step_us": None if None in us else layers[shape] * sum(us[:4]) + us[4]})
     return out
 
 

@@ -35,8 +35,9 @@ launch, no atomics on the values, the same bits on every run). The product table
 sweep found it faster.
 
 The row tiles of one run of output columns are neighbouring programs, so the programs resident at
-once read the same columns of the weight: a weight larger than L2 (SmolLM2's LM head is 57 MB) is
-streamed from memory once per call, not once per row tile, and x, a few MB at most, stays in L2.
+once read the same columns of the weight and x (a few MB at most) stays in L2. On an H200 this made
+SmolLM2's LM head (57 MB, larger than L2) in 16-row tiles at 272 and 1,088 rows 0.96x as long as
+with the column tiles varying fastest; such tiles lose at many rows by their number of programs.
 """
 
 from __future__ import annotations

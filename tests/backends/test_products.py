@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from numerics import assert_invariant  # noqa: E402
 from tiny_model import TINY  # noqa: E402
 
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels, TritonLinear  # noqa: E402
@@ -64,7 +65,8 @@ def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_else
 
 def test_a_qkv_tiling_that_does_not_rotate_leaves_the_rotation_to_the_rotary_kernel():
     """``rotate`` False (``/rk``): the table's tiling reaches the kernels as it is, and the QKV step
-    (the product in that tiling, then the rotary kernel) gives the rotating product's bits."""
+    (the product in that tiling, then the rotary kernel) gives the rotating product's bits where the
+    kernels compile (within tolerance under the interpreter, whose products may round otherwise)."""
     tiling, unrotated = Tiling(16, 16, 64), Tiling(16, 16, 64, rotate=False)
     assert unrotated.label == "16x16x64/rk" and list(unrotated) == [16, 16, 64, 4, 3, 1, False]
     backend = CudaBackend(device=DEVICE)
@@ -82,7 +84,7 @@ def test_a_qkv_tiling_that_does_not_rotate_leaves_the_rotation_to_the_rotary_ker
         q = kernels.norm_rope_store(x, None, TritonLinear(weight, kernels), positions, kv, 0, locs)
         results[t.rotate] = (q, kv.k[0], kv.v[0])
     for name, a, b in zip(("queries", "K", "V"), results[True], results[False]):
-        assert torch.equal(a, b), f"the {name} differ between the rotating product and the rotary kernel"
+        assert_invariant(b, a, f"the {name} of the rotary kernel against the rotating product's")
     assert results[True][1][4].any() and not results[True][1][[1, 3, 5, 6]].any(), "stored where the slots say"
 
 

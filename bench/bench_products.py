@@ -6,20 +6,21 @@ five products of a decode step (QKV after the attention norm, with the rotary em
 store after it, the output projection and its residual add, gate/up after the MLP norm with SwiGLU,
 down and its residual add, the LM head) run through the engine's own Triton model kernels at each
 row count of ``--rows``, once per candidate: the steps apart (the norm kernel, cuBLAS, the rotary or
-the SwiGLU kernel) and the fused product in each tiling of :data:`SWEEP` (those that split K up to
-64 rows). A candidate must agree with the steps apart before it is timed. Time is device time per
+the SwiGLU kernel) and the fused product in each tiling of :data:`SWEEP` (most of those that split K
+up to 64 rows). A candidate must agree with the steps apart before it is timed. Time is device time per
 call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them, more than
 the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it reaches
 against a device-to-device copy measured in the same run.
 
 ``--write-table PATH`` writes the choice per weight shape
 (:mod:`ngram_hal.kernels.triton.products`), keeping the shapes a table already there holds and this
-run did not sweep: the fastest candidate at each row count (the steps apart included) and the
-fastest fused tiling there that does not split K; whether every such tiling gave every row the same
-bits at every row count (each candidate's rows are compared with the first tiling's on the most
-rows), which lets the batch-invariant mode take the fastest fused tiling per row count; and the one
-tiling with the least time summed over the row counts, each relative to that count's fastest, for
-devices where the bits differ. The cuda backend runs by the table of its GPU model
+run did not sweep: the fastest candidate at each row count (the steps apart included), and the
+batch-invariant mode's runs of K (:meth:`~ngram_hal.kernels.triton.products.Tiling.k_split`: all of
+K, or the runs of a split) with, at each row count, the fastest fused tiling of those runs. Each
+candidate's rows are compared with those of the first tiling of its runs on the most rows; where
+every tiling of the runs gave every row the same bits the mode takes the fastest per row count,
+else the runs' one tiling with the least time summed over the row counts, each relative to that
+count's fastest. Of the runs timed at every row count the table keeps those that sum least so. The cuda backend runs by the table of its GPU model
 (``ngram_hal_cuda/products/``); ``bench/bench_shapes.py --products table,fixed`` runs the engine by
 it beside the fixed rule.
 
@@ -61,25 +62,39 @@ SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(1
          Tiling(16, 32, 128, 4, 4, 4), Tiling(16, 16, 256, 4, 3, 4), Tiling(16, 64, 128, 4, 4, 2),
          Tiling(16, 64, 128, 4, 4, 4),
          Tiling(16, 32, 64, 4, 9), Tiling(16, 64, 64, 4, 9), Tiling(32, 64, 64, 4, 9), Tiling(64, 64, 64, 4, 6),
-         Tiling(16, 64, 128, 4, 5), Tiling(32, 64, 128, 4, 5), Tiling(16, 16, 256, 4, 8), Tiling(16, 32, 256, 4, 6))
+         Tiling(16, 64, 128, 4, 5), Tiling(32, 64, 128, 4, 5), Tiling(16, 16, 256, 4, 8), Tiling(16, 32, 256, 4, 6),
+         Tiling(16, 32, 64, 4, 9, 4), Tiling(32, 64, 64, 4, 9, 4), Tiling(64, 64, 64, 4, 6, 4),
+         Tiling(128, 64, 64, 4, 3, 4), Tiling(64, 64, 64, 4, 6, 2))
 """Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`. Those
-that split K are timed up to :data:`SPLIT_MAX_ROWS` rows. The last eight pipeline deep: with 5-9 stages a
+that split K are timed up to :data:`SPLIT_MAX_ROWS` rows, but those of :data:`SPLIT_EVERY_ROWS`: a split
+walks shorter runs of K in more programs, which the batch-invariant mode (unable to choose the steps apart
+by row count) may keep at every row count where few output tiles leave the device idle (SmolLM2's
+down projection at 272 rows: 45 tiles of 64 x 64, each a walk of 24 steps). The five of four splits
+walk the same runs of that projection's K of 1,536 (384 each), and all but 16x32x128/s4/k4 the same runs
+of a K of 576 (192 each). The eight unsplit tilings from 16x32x64/s9 to 16x32x256/s6 pipeline deep: with 5-9 stages a
 program has most or all of a short reduction's loads (SmolLM2's K of 576 is nine steps of 64) in flight at
 once, as the vendor BLAS's kernels for these shapes do (16 stages of 64), where 3-4 stages wait on memory
 several times a walk. A tiling whose stages do not fit a program's shared memory on the device is
 skipped there."""
 SPLIT_MAX_ROWS = 64
+SPLIT_EVERY_ROWS = frozenset(SWEEP[-5:] + (Tiling(16, 32, 128, 4, 4, 4),))
 QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64), Tiling(16, 16, 64, split_k=2))
 WEIGHT_BYTES = 256 << 20
 AGREE = 0.05
+
+
+PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def name_list(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def projections(config) -> dict[str, tuple[int, int]]:
     """Weight shape ``[N, K]`` of each product of a layer and of the LM head."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hd, inter = config.hidden_size, config.intermediate_size
-    return {"qkv": (q + 2 * kv, hd), "o": (hd, q), "gate_up": (2 * inter, hd), "down": (hd, inter),
-            "lm_head": (config.vocab_size, hd)}
+    return dict(zip(PRODUCTS, ((q + 2 * kv, hd), (hd, q), (2 * inter, hd), (hd, inter), (config.vocab_size, hd))))
 
 
 class Step:
@@ -113,6 +128,12 @@ def candidates(kind: str, sweep: tuple[Tiling, ...]) -> tuple[Tiling, ...]:
     return sweep + tuple(t._replace(rotate=False) for t in sweep if t.split_k == 1)
 
 
+def timed(tiling: Tiling, rows: int) -> bool:
+    """Whether ``tiling`` is timed at ``rows`` rows: an unsplit one or one of :data:`SPLIT_EVERY_ROWS`
+    at every row count, another split one up to :data:`SPLIT_MAX_ROWS`."""
+    return tiling.split_k == 1 or rows <= SPLIT_MAX_ROWS or tiling._replace(rotate=True) in SPLIT_EVERY_ROWS
+
+
 def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], rows: int, tiling: Tiling | None):
     """``kernels`` set to run ``tiling`` (None: the steps apart) for weights of ``weight_shape``."""
     choice = ShapeChoice(n=weight_shape[0], k=weight_shape[1], by_rows=(RowsChoice(max_rows=rows, tiling=tiling),),
@@ -134,9 +155,13 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
     kernels = TritonLayerKernels(config, backend, dtype)
     base = backend.launch
     sweep = QUICK_SWEEP if args.quick else SWEEP
+    if args.tilings:
+        sweep = tuple(t for t in sweep if t.label in args.tilings)
     gen = torch.Generator(backend.device).manual_seed(args.seed)
     rows_out = []
     for kind, (n, k) in projections(config).items():
+        if args.products and kind not in args.products:
+            continue
         weight_bytes = n * k * dtype.itemsize
         copies = max(1, min(args.max_copies, math.ceil(WEIGHT_BYTES / weight_bytes)))
         copies = copies if backend.device.type == "cuda" else 1
@@ -145,18 +170,27 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
         out_n = n // 2 if kind == "gate_up" else n
         x_all = torch.randn((max(args.rows), k), generator=gen, device=backend.device).to(dtype)
         step = Step(config, max(args.rows), dtype, backend.device)
-        # Every fused candidate's rows are compared with the first tiling's on the most rows.
-        forced(kernels, base, (n, k), max(args.rows), sweep[0])
-        reference = output(kind, kernels, linears[0], x_all, step)
+        # Every fused candidate's rows are compared with those of the first tiling of its runs of K
+        # on the most rows.
+        references = {}
+
+        def reference(tiling: Tiling) -> torch.Tensor:
+            run = tiling.k_split(k)
+            if run not in references:
+                forced(kernels, base, (n, k), max(args.rows), tiling)
+                references[run] = output(kind, kernels, linears[0], x_all, step)
+            return references[run]
+
         for rows in args.rows:
             x = x_all[:rows]
             residual = torch.zeros((rows, out_n), dtype=dtype, device=backend.device)
             forced(kernels, base, (n, k), rows, None)
             want = output(kind, kernels, linears[0], x, step)
             apart_us = None
-            for tiling in (None, *(t for t in candidates(kind, sweep) if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
-                forced(kernels, base, (n, k), rows, tiling)
+            for tiling in (None, *(t for t in candidates(kind, sweep) if timed(t, rows))):
                 try:
+                    same = None if tiling is None else reference(tiling)[:rows]
+                    forced(kernels, base, (n, k), rows, tiling)
                     got = output(kind, kernels, linears[0], x, step)
                 except OutOfResources as exc:
                     skipped.append({"shape": name, "product": kind, "rows": rows, "tiling": list(tiling),
@@ -166,7 +200,7 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
                 if err > AGREE:
                     raise SystemExit(f"{name} {kind} rows={rows} {tiling}: differs from the steps apart by {err:.3g} "
                                      "of the largest value")
-                same_bits = None if tiling is None else torch.equal(got, reference[:rows])
+                same_bits = None if tiling is None else torch.equal(got, same)
                 turn = iter(range(1 << 62))
                 ms = graph_ms(lambda: call(kind, kernels, linears[next(turn) % copies], x, residual, step),
                               backend.device, copies, args.replays)
@@ -185,34 +219,50 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
     return rows_out
 
 
-def unsplit(r: dict) -> bool:
-    """Whether a result row is a fused tiling that does not split K (the invariant mode's kind)."""
-    return r["tiling"] is not None and Tiling(*r["tiling"]).split_k == 1
-
-
 def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, source: str) -> ProductTable:
-    """The fastest candidate per weight shape and row count, and the fastest fused tiling there that
-    does not split K; whether every such tiling gave every row count the same bits (``same_bits``);
-    the invariant tiling per shape (of those, the least time summed over the row counts, each
-    relative to that count's fastest)."""
+    """The fastest candidate per weight shape and row count, and the batch-invariant mode's choice:
+    of the runs of K whose tilings were timed at every row count (some of them at each), the runs
+    with the least time summed over the row counts, each relative to that count's fastest candidate;
+    a run's time at a row count is its fastest tiling's there where all of its tilings gave the same
+    bits (``same_bits``), else its one tiling with the least such sum, which is then the shape's
+    ``invariant`` tiling for every row count (where they agree: the one with the least sum, and each
+    bucket's ``fused`` the fastest of the runs). One walk over all of K wins a tie."""
     shapes = {}
     for r in results:
         shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], []).append(r)
     choices = []
     for (n, k), by_rows in shapes.items():
         best = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in sorted(by_rows.items())}
-        fastest_fused = {rows: min(filter(unsplit, cands), key=lambda r: r["us"])
-                         for rows, cands in sorted(by_rows.items())}
-        fused = {}
+        runs = {}
         for rows, cands in by_rows.items():
-            for r in filter(unsplit, cands):
-                fused.setdefault(tuple(r["tiling"]), 0.0)
-                fused[tuple(r["tiling"])] += r["us"] / best[rows]["us"]
-        invariant = min(fused, key=fused.get)
-        agree = all(r["same_bits"] for cands in by_rows.values() for r in filter(unsplit, cands))
+            for r in cands:
+                if r["tiling"] is not None:
+                    runs.setdefault(Tiling(*r["tiling"]).k_split(k), {}).setdefault(rows, []).append(r)
+        options = []
+        for run, run_rows in runs.items():
+            if run_rows.keys() != by_rows.keys():
+                continue
+            fastest = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in run_rows.items()}
+            relative = {}
+            for rows, cands in run_rows.items():
+                for r in cands:
+                    relative.setdefault(tuple(r["tiling"]), []).append(r["us"] / best[rows]["us"])
+            every_row = {t: sum(v) for t, v in relative.items() if len(v) == len(by_rows)}
+            agree = all(r["same_bits"] for cands in run_rows.values() for r in cands)
+            one = min(every_row, key=every_row.get) if every_row else None
+            if agree:
+                cost = sum(fastest[rows]["us"] / best[rows]["us"] for rows in by_rows)
+            elif one is not None:
+                cost = every_row[one]
+            else:
+                continue
+            if one is None:
+                one = tuple(fastest[max(by_rows)]["tiling"])
+            options.append((cost, run != k, one, agree, fastest))
+        _, _, invariant, agree, fastest = min(options, key=lambda o: o[:2])
         choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), tilings_agree=agree, by_rows=tuple(
             RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]),
-                       fused=Tiling(*fastest_fused[rows]["tiling"]))
+                       fused=Tiling(*fastest[rows]["tiling"]))
             for rows, r in best.items())))
     return ProductTable(device=device_name, dtype=str(dtype).removeprefix("torch."), source=source,
                         shapes=tuple(choices))
@@ -250,12 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--max-copies", type=int, default=256, help="most copies of a weight a graph cycles through")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="two candidate tilings only")
+    parser.add_argument("--quick", action="store_true", help="three candidate tilings only")
+    parser.add_argument("--products", type=name_list, default=None,
+                        help=f"these products only (of {', '.join(PRODUCTS)}; default: all)")
+    parser.add_argument("--tilings", type=name_list, default=None, metavar="LABEL,...",
+                        help="these candidate tilings only, by label (16x32x256, 64x64x64/s6/k4, ...)")
     parser.add_argument("--write-table", help="write the chosen products here (a product table JSON)")
     parser.add_argument("--json", default="reports/bench_products.json")
     args = parser.parse_args(argv)
     if args.rows != sorted(set(args.rows)):
         parser.error(f"--rows must increase, got {args.rows}")
+    if args.products and not set(args.products) <= set(PRODUCTS):
+        parser.error(f"--products: {', '.join(sorted(set(args.products) - set(PRODUCTS)))} not among "
+                     f"{', '.join(PRODUCTS)}")
+    labels = {t.label for t in SWEEP + QUICK_SWEEP}
+    if args.tilings and not set(args.tilings) <= labels:
+        parser.error(f"--tilings: no candidate {', '.join(sorted(set(args.tilings) - labels))}")
     backend = CudaBackend(device=args.device)
     device = backend.device
     if args.write_table and device.type != "cuda":
@@ -285,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                       _fmt(best["vs_apart"], "{:.2f}x"))
     console.print(table)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
-    source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))} at {commit()}"
+    only = "".join(f" --{name} {','.join(v)}" for name, v in (("products", args.products), ("tilings", args.tilings))
+                   if v)
+    source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))}{only} at {commit()}"
     report = {**report_header("ngram-hal/bench-products/1", backend), "dtype": str(dtype).removeprefix("torch."),
               "copy_bandwidth_bytes_per_s": bandwidth, "results": results, "skipped": skipped}
     if args.write_table:

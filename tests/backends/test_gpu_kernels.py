@@ -151,6 +151,23 @@ def test_split_k_product_is_deterministic_and_row_invariant(split_k):
         tile_counters(out.device, TILE_COUNTERS + 1, "test")
 
 
+def test_split_tilings_of_the_same_runs_of_k_give_every_row_the_same_bits():
+    """Tilings that walk K = 256 in the same four runs of 64 (other tiles, steps, warps and stages):
+    each row's result, with the residual add, is the same in every tiling and batch, as the
+    batch-invariant mode takes them by row count; one walk over all of K is another sum."""
+    dtype = torch.bfloat16
+    x, w, res = _randn(40, 256, dtype=dtype, seed=21), _randn(48, 256, dtype=dtype, seed=22), _randn(40, 48, dtype=dtype,
+                                                                                                     seed=23)
+    first, *others = Tiling(16, 16, 32, split_k=4), Tiling(32, 64, 64, 8, 2, 4), Tiling(16, 32, 64, 4, 9, 4)
+    assert {t.k_split(256) for t in (first, *others)} == {64}
+    out = fused_linear(x, w, residual=res.clone(), tiling=first)
+    torch.testing.assert_close(out.double(), res.double() + x.double() @ w.double().T, atol=0.4, rtol=TOL[dtype])
+    for tiling in others:
+        for rows in ([0], [3, 4], list(range(16, 40))):
+            got = fused_linear(x[rows].contiguous(), w, residual=res[rows].clone(), tiling=tiling)
+            assert_invariant(got, out[rows], f"rows {rows} in tiling {tiling.label}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab", [7, BLOCK, 3 * BLOCK + 5, 49152], ids=lambda v: f"V{v}")
 def test_argmax_is_torchs(dtype, vocab):

@@ -51,6 +51,15 @@ def test_the_choice_follows_the_row_buckets_and_more_rows_run_apart():
     assert choose(split, 1).split_k == 4 and choose(split, 1).label == "16x32x256/k4"
 
 
+def test_a_tilings_runs_of_k_are_whole_block_k_steps_and_one_run_is_all_of_k():
+    assert Tiling(64, 64, 64, split_k=4).k_split(1536) == 384 == Tiling(16, 32, 128, split_k=4).k_split(1536)
+    assert Tiling(16, 32, 256, split_k=4).k_split(1536) == 512, "ceil(384 / 256) steps of 256"
+    assert Tiling(64, 64, 64, split_k=4).k_split(576) == 192 and Tiling(16, 32, 128, split_k=4).k_split(576) == 256
+    assert Tiling(16, 32, 256).k_split(576) == 576 and Tiling(16, 32, 512, split_k=2).k_split(576) == 512
+    assert Tiling(16, 32, 512, split_k=2).k_split(512) == 512, "one run of 512: all of K"
+    assert Tiling(16, 16, 32, split_k=64).k_split(200) == 32
+
+
 def test_kernels_take_the_table_where_it_lists_the_shape_and_the_fixed_rule_elsewhere():
     backend = CudaBackend(device=DEVICE)
     backend.launch = dataclasses.replace(backend.launch, products=TABLE)
@@ -93,7 +102,9 @@ def test_a_qkv_tiling_that_does_not_rotate_leaves_the_rotation_to_the_rotary_ker
     (shape(4, 8, [(8, None), (2, None)]), "by_rows bounds must increase"),
     (shape(4, 8, [(1, None)], invariant=(16, 16, 16, 4, 0)), "num_stages must be a positive int"),
     (shape(4, 8, [(1, [16, 16, 64, 4, 3, 0])]), "split_k must be a positive int"),
-    (shape(4, 8, [(1, None)], invariant=(16, 16, 64, 4, 3, 2)), "invariant mode's tilings must not split K"),
+    ({**shape(4, 256, [(1, None)], invariant=(16, 16, 64, 4, 3, 2)),
+      "by_rows": [{"max_rows": 1, "tiling": None, "fused": [16, 16, 64]}]},
+     r"tilings must walk K in the same runs: 16x16x64 walks 256, 16x16x64/k2 128"),
 ])
 def test_a_bad_table_is_refused_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -97,17 +97,36 @@ def test_where_the_tilings_agree_the_invariant_mode_takes_the_fastest_fused_tili
     assert {choose_invariant(differ, rows) for rows in (1, 16, 64, 1000)} == {Tiling(*B)}, "one tiling for all"
 
 
-def test_a_split_k_tiling_runs_where_fastest_but_never_in_the_invariant_mode(bench_products):
-    """A tiling that splits K rounds its sums otherwise than the unsplit ones: the table runs it
-    where it is fastest, while the invariant mode's choices and the bits check leave it out."""
-    split = (16, 32, 256, 4, 3, 4)
-    times = {rows: {**cands, split: 1.0} for rows, cands in TIMES.items()}
-    results = [{**r, "same_bits": False} if r["tiling"] == list(split) else r for r in _results(times)]
-    choice = bench_products.choose_table(results, "gpu", torch.bfloat16, "test").lookup(8, 4)
-    assert [choose(choice, rows) for rows in (1, 16, 64)] == [Tiling(*split)] * 3
-    assert choice.tilings_agree, "the split tiling's other bits do not count against the unsplit ones"
-    assert [choose_invariant(choice, rows) for rows in (1, 16)] == [Tiling(*A), Tiling(*B)]
-    assert choice.invariant == Tiling(*B)
+S4, S4B, S2 = (64, 64, 64, 4, 6, 4), (16, 32, 128, 4, 4, 4), (16, 32, 256, 4, 3, 2)
+SPLIT_TIMES = {1: {None: 10.0, A: 5.0, B: 6.0, S4: 5.5, S4B: 5.2, S2: 4.0},
+               16: {None: 4.0, A: 9.0, B: 6.0, S4: 6.5, S4B: 6.1, S2: 3.5},
+               64: {None: 8.0, A: 12.0, B: 10.0, S4: 9.0, S4B: 11.0, S2: 7.0},
+               272: {None: 5.0, A: 14.0, B: 12.0, S4: 6.0, S4B: 9.0}}
+
+
+def _split_results(disagree: tuple = ()) -> list[dict]:
+    return [{**r, "k": 1536, "same_bits": r["same_bits"] and tuple(r["tiling"] or ()) not in disagree}
+            for r in _results(SPLIT_TIMES)]
+
+
+def test_the_invariant_mode_keeps_the_runs_of_k_that_sum_least_and_were_timed_at_every_row_count(bench_products):
+    """K = 1,536: S4 and S4B walk it in four runs of 384, S2 in two of 768, A and B in one. S2 is
+    the fastest up to 64 rows but was not timed at 272, so the invariant mode cannot keep its runs;
+    the runs of 384 sum to 5.2/4 + 6.1/3.5 + 9/7 + 6/5 against one walk's 5/4 + 6/3.5 + 10/7 + 12/5."""
+    choice = bench_products.choose_table(_split_results(), "gpu", torch.bfloat16, "test").lookup(8, 1536)
+    assert [choose(choice, rows) for rows in (1, 16, 64, 272)] == [Tiling(*S2)] * 3 + [None]
+    assert choice.tilings_agree and choice.invariant == Tiling(*S4), "S4 sums less than S4B over every row count"
+    assert [choose_invariant(choice, rows) for rows in (1, 16, 64, 272, 1000)] == [Tiling(*S4B)] * 2 + [Tiling(*S4)] * 3
+    assert all(b.fused.k_split(1536) == 384 for b in choice.by_rows)
+
+
+def test_where_a_runs_tilings_disagree_its_one_best_tiling_competes_for_every_row_count(bench_products):
+    differ = bench_products.choose_table(_split_results(disagree=(S4B,)), "gpu", torch.bfloat16, "test")
+    choice = differ.lookup(8, 1536)
+    assert not choice.tilings_agree and choice.invariant == Tiling(*S4), "S4 alone: 5.72 against one walk's 6.79"
+    assert {choose_invariant(choice, rows) for rows in (1, 16, 64, 272, 1000)} == {Tiling(*S4)}
+    both = bench_products.choose_table(_split_results(disagree=(S4B, A)), "gpu", torch.bfloat16, "test")
+    assert both.lookup(8, 1536).invariant == Tiling(*S4)
 
 
 def test_a_new_sweep_keeps_the_shapes_of_the_table_it_did_not_sweep(bench_products):

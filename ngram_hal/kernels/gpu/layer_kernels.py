@@ -47,9 +47,10 @@ class TritonLayerKernels(TorchLayerKernels):
     fixed rule: forwards of at most ``backend.launch.fused_linear_rows`` rows run each projection
     whose weight holds at most ``fused_linear_max_bytes`` as a fused product
     (:data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS` tiling). With ``batch_invariant`` every
-    projection is a fused product: in the table's fastest fused tiling for the rows where its sweep
-    found every tiling's bits equal (:func:`~ngram_hal.kernels.triton.products.choose_invariant`),
-    else in one tiling for every row count. Where the launch has ``pdl`` the kernels launch early
+    projection is a fused product over the same runs of K at every row count: in the table's fastest
+    fused tiling of those runs for the rows where its sweep found their bits equal
+    (:func:`~ngram_hal.kernels.triton.products.choose_invariant`), else in one tiling for every row
+    count. Where the launch has ``pdl`` the kernels launch early
     (:mod:`ngram_hal.kernels.triton.pdl`), the products only up to ``pdl_max_weight_bytes``.
     """
 

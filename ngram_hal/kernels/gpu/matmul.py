@@ -313,7 +313,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | Non
     if M:
         tiles = (triton.cdiv(M, tiling.block_m), triton.cdiv(columns, block_n))
         # K in runs of whole BLOCK_K steps, one per split (a short K may leave fewer splits).
-        k_split = triton.cdiv(triton.cdiv(K, tiling.split_k), tiling.block_k) * tiling.block_k
+        k_split = tiling.k_split(K)
         splits = triton.cdiv(K, k_split)
         partials = counters = x
         if splits > 1:

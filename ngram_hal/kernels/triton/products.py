@@ -3,10 +3,13 @@
 A projection is known by its weight's shape ``[N, K]`` (``[2N, K]`` for a fused gate/up). For a
 forward of ``rows`` rows it runs either the fused Triton product in one :class:`Tiling` or the
 steps apart (the norm kernel, then the vendor BLAS). In the batch-invariant mode it runs a fused
-product only: where the sweep found every tiling's rows bit-identical to every other's at every row
-count (``tilings_agree``: on NVIDIA tensor cores each output is the same chain of 16-deep products
-whatever the tile), the fastest fused tiling of the bucket; elsewhere one tiling for every row count.
-The invariant mode never splits a reduction (``split_k`` 1): a split's partial sums round otherwise.
+product only, every one over the same runs of K (:meth:`Tiling.k_split`, the shape's ``invariant``
+tiling's): a split's partial sums round otherwise than one walk over all of K, but tilings of the
+same runs can give the same bits. Where the sweep found every swept tiling of those runs
+bit-identical to every other at every row count (``tilings_agree``: on NVIDIA tensor cores each
+output is the same chain of 16-deep products whatever the tile, and a split's partials are added in
+split order), the mode takes the fastest of them for the bucket; elsewhere one tiling for every row
+count.
 A QKV tiling also says where the rotary embedding and the K/V store run (``rotate``): in the
 product's epilogue, or in the rotary kernel after it; the two give the same bits, so the choice may
 differ by row count in either mode.
@@ -53,6 +56,17 @@ class Tiling(NamedTuple):
         rotary = "" if self.rotate else "/rk"
         return f"{self.block_m}x{self.block_n}x{self.block_k}{warps}{stages}{splits}{rotary}"
 
+    def k_split(self, k: int) -> int:
+        """The length of the run of a reduction of ``k`` that one program walks: ``k / split_k`` rounded
+        up to whole ``block_k`` steps (``k`` where that leaves one run; the last run may be short).
+        Tilings of the same runs add the same products in the same order."""
+        run = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
+        return k if run >= k else run
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
     """``tiling`` unchanged; a ValueError where a block or the warps are not a positive power of two
@@ -67,25 +81,17 @@ def _powers_of_two(tiling: Tiling | None) -> Tiling | None:
     return tiling
 
 
-def _unsplit(tiling: Tiling | None) -> Tiling | None:
-    """``tiling`` checked as :func:`_powers_of_two` does, and that it does not split K."""
-    if tiling is not None and _powers_of_two(tiling).split_k != 1:
-        raise ValueError(f"tiling {list(tiling)}: the batch-invariant mode's tilings must not split K")
-    return tiling
-
-
 class RowsChoice(BaseModel):
     """Forwards of at most ``max_rows`` rows (and more than the previous bucket's) run ``tiling``
-    (None: the steps apart); ``fused`` is the fastest fused tiling there that does not split K
-    (None: not swept)."""
+    (None: the steps apart); ``fused`` is the fastest fused tiling there of the invariant mode's runs
+    of K (None: not swept)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     max_rows: int = Field(ge=1)
     tiling: Tiling | None
     fused: Tiling | None = None
 
-    _tiling = field_validator("tiling")(_powers_of_two)
-    _fused = field_validator("fused")(_unsplit)
+    _tiling = field_validator("tiling", "fused")(_powers_of_two)
 
 
 class ShapeChoice(BaseModel):
@@ -97,16 +103,22 @@ class ShapeChoice(BaseModel):
     k: int = Field(ge=1, description="the reduction length")
     by_rows: tuple[RowsChoice, ...] = Field(min_length=1)
     invariant: Tiling
-    tilings_agree: bool = Field(False, description="every swept tiling that does not split K gave each row the "
-                                                   "same bits at every row count")
+    tilings_agree: bool = Field(False, description="every swept tiling of the invariant tiling's runs of K gave "
+                                                   "each row the same bits at every row count")
 
-    _invariant = field_validator("invariant")(_unsplit)
+    _invariant = field_validator("invariant")(_powers_of_two)
 
     @model_validator(mode="after")
     def _increasing(self) -> ShapeChoice:
         bounds = [c.max_rows for c in self.by_rows]
         if bounds != sorted(set(bounds)):
             raise ValueError(f"weight [{self.n}, {self.k}]: by_rows bounds must increase, got {bounds}")
+        runs = self.invariant.k_split(self.k)
+        for c in self.by_rows:
+            if c.fused is not None and c.fused.k_split(self.k) != runs:
+                raise ValueError(f"weight [{self.n}, {self.k}]: the invariant mode's tilings must walk K in the same "
+                                 f"runs: {c.fused.label} walks {c.fused.k_split(self.k)}, {self.invariant.label} "
+                                 f"{runs}")
         return self
 
 
@@ -162,8 +174,8 @@ def choose(choice: ShapeChoice, rows: int) -> Tiling | None:
 
 def choose_invariant(choice: ShapeChoice, rows: int) -> Tiling:
     """The batch-invariant mode's tiling for a forward of ``rows`` rows: the bucket's fastest fused
-    tiling where the tilings agree (more rows than the last bucket: the last bucket's), else the
-    shape's one ``invariant`` tiling."""
+    tiling of the invariant tiling's runs of K where those tilings agree (more rows than the last
+    bucket: the last bucket's), else the shape's one ``invariant`` tiling."""
     if choice.tilings_agree:
         bucket = next((b for b in choice.by_rows if rows <= b.max_rows), choice.by_rows[-1])
         if bucket.fused is not None:

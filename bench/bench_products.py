@@ -6,8 +6,8 @@ five products of a decode step (QKV after the attention norm, with the rotary em
 store after it, the output projection and its residual add, gate/up after the MLP norm with SwiGLU,
 down and its residual add, the LM head) run through the engine's own Triton model kernels at each
 row count of ``--rows``, once per candidate: the steps apart (the norm kernel, cuBLAS, the rotary or
-the SwiGLU kernel) and the fused product in each tiling of :data:`SWEEP` (most of those that split K
-up to 64 rows). A candidate must agree with the steps apart before it is timed. Time is device time per
+the SwiGLU kernel) and the fused product in each tiling of :data:`SWEEP` (those that split K up to
+64 rows). A candidate must agree with the steps apart before it is timed. Time is device time per
 call from a CUDA graph that cycles through copies of the weight (at least 256 MB of them, more than
 the L2 cache, as a model's layers are), reported with the bandwidth of weight bytes it reaches
 against a device-to-device copy measured in the same run.
@@ -62,22 +62,16 @@ SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(1
          Tiling(16, 32, 128, 4, 4, 4), Tiling(16, 16, 256, 4, 3, 4), Tiling(16, 64, 128, 4, 4, 2),
          Tiling(16, 64, 128, 4, 4, 4),
          Tiling(16, 32, 64, 4, 9), Tiling(16, 64, 64, 4, 9), Tiling(32, 64, 64, 4, 9), Tiling(64, 64, 64, 4, 6),
-         Tiling(16, 64, 128, 4, 5), Tiling(32, 64, 128, 4, 5), Tiling(16, 16, 256, 4, 8), Tiling(16, 32, 256, 4, 6),
-         Tiling(16, 32, 64, 4, 9, 4), Tiling(32, 64, 64, 4, 9, 4), Tiling(64, 64, 64, 4, 6, 4),
-         Tiling(128, 64, 64, 4, 3, 4), Tiling(64, 64, 64, 4, 6, 2))
+         Tiling(16, 64, 128, 4, 5), Tiling(32, 64, 128, 4, 5), Tiling(16, 16, 256, 4, 8), Tiling(16, 32, 256, 4, 6))
 """Candidate tilings; the first is the engine's fixed :data:`~ngram_hal.kernels.gpu.matmul.SMALL_ROWS`. Those
-that split K are timed up to :data:`SPLIT_MAX_ROWS` rows, but those of :data:`SPLIT_EVERY_ROWS`: a split
-walks shorter runs of K in more programs, which the batch-invariant mode (unable to choose the steps apart
-by row count) may keep at every row count where few output tiles leave the device idle (SmolLM2's
-down projection at 272 rows: 45 tiles of 64 x 64, each a walk of 24 steps). The five of four splits
-walk the same runs of that projection's K of 1,536 (384 each), and all but 16x32x128/s4/k4 the same runs
-of a K of 576 (192 each). The eight unsplit tilings from 16x32x64/s9 to 16x32x256/s6 pipeline deep: with 5-9 stages a
-program has most or all of a short reduction's loads (SmolLM2's K of 576 is nine steps of 64) in flight at
-once, as the vendor BLAS's kernels for these shapes do (16 stages of 64), where 3-4 stages wait on memory
-several times a walk. A tiling whose stages do not fit a program's shared memory on the device is
-skipped there."""
+that split K are timed up to :data:`SPLIT_MAX_ROWS` rows: past that they lost to one walk over K at
+SmolLM2's shapes on an H100 (the down projection at 1,088 rows: 18.1 us in four runs of 384, 15.5 in two
+of 768, 10.5 in one), so the batch-invariant mode keeps a split's runs only for shapes swept at few rows.
+The last eight pipeline deep: with 5-9 stages a program has most or all of a short reduction's loads
+(SmolLM2's K of 576 is nine steps of 64) in flight at once, as the vendor BLAS's kernels for these shapes do
+(16 stages of 64), where 3-4 stages wait on memory several times a walk. A tiling whose stages do not fit a
+program's shared memory on the device is skipped there."""
 SPLIT_MAX_ROWS = 64
-SPLIT_EVERY_ROWS = frozenset(SWEEP[-5:] + (Tiling(16, 32, 128, 4, 4, 4),))
 QUICK_SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 64), Tiling(16, 16, 64, split_k=2))
 WEIGHT_BYTES = 256 << 20
 AGREE = 0.05
@@ -126,12 +120,6 @@ def candidates(kind: str, sweep: tuple[Tiling, ...]) -> tuple[Tiling, ...]:
     if kind != "qkv":
         return sweep
     return sweep + tuple(t._replace(rotate=False) for t in sweep if t.split_k == 1)
-
-
-def timed(tiling: Tiling, rows: int) -> bool:
-    """Whether ``tiling`` is timed at ``rows`` rows: an unsplit one or one of :data:`SPLIT_EVERY_ROWS`
-    at every row count, another split one up to :data:`SPLIT_MAX_ROWS`."""
-    return tiling.split_k == 1 or rows <= SPLIT_MAX_ROWS or tiling._replace(rotate=True) in SPLIT_EVERY_ROWS
 
 
 def forced(kernels: TritonLayerKernels, base, weight_shape: tuple[int, int], rows: int, tiling: Tiling | None):
@@ -187,7 +175,7 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
             forced(kernels, base, (n, k), rows, None)
             want = output(kind, kernels, linears[0], x, step)
             apart_us = None
-            for tiling in (None, *(t for t in candidates(kind, sweep) if timed(t, rows))):
+            for tiling in (None, *(t for t in candidates(kind, sweep) if t.split_k == 1 or rows <= SPLIT_MAX_ROWS)):
                 try:
                     same = None if tiling is None else reference(tiling)[:rows]
                     forced(kernels, base, (n, k), rows, tiling)
@@ -219,14 +207,35 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
     return rows_out
 
 
+def run_option(run_rows: dict[int, list[dict]], best: dict[int, dict]) -> tuple | None:
+    """What the batch-invariant mode would get of one run of K (``run_rows``: its tilings' results per
+    row count): ``(cost, tiling, agree, fastest)``, the time summed over the row counts, each relative
+    to ``best`` there; the one tiling with the least such sum; whether every tiling gave the same bits;
+    and the fastest result per row count. Where they agree the cost is the fastest tilings' (the mode
+    changes tiling by row count), else the one tiling's. None where the run misses a row count, or
+    its tilings disagree and none of them was timed at every row count."""
+    if run_rows.keys() != best.keys():
+        return None
+    fastest = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in run_rows.items()}
+    relative = {}
+    for rows, cands in run_rows.items():
+        for r in cands:
+            relative.setdefault(tuple(r["tiling"]), []).append(r["us"] / best[rows]["us"])
+    every_row = {t: sum(v) for t, v in relative.items() if len(v) == len(best)}
+    agree = all(r["same_bits"] for cands in run_rows.values() for r in cands)
+    if agree:
+        one = min(every_row, key=every_row.get) if every_row else tuple(fastest[max(best)]["tiling"])
+        return sum(fastest[rows]["us"] / best[rows]["us"] for rows in best), one, True, fastest
+    if not every_row:
+        return None
+    one = min(every_row, key=every_row.get)
+    return every_row[one], one, False, fastest
+
+
 def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, source: str) -> ProductTable:
-    """The fastest candidate per weight shape and row count, and the batch-invariant mode's choice:
-    of the runs of K whose tilings were timed at every row count (some of them at each), the runs
-    with the least time summed over the row counts, each relative to that count's fastest candidate;
-    a run's time at a row count is its fastest tiling's there where all of its tilings gave the same
-    bits (``same_bits``), else its one tiling with the least such sum, which is then the shape's
-    ``invariant`` tiling for every row count (where they agree: the one with the least sum, and each
-    bucket's ``fused`` the fastest of the runs). One walk over all of K wins a tie."""
+    """The fastest candidate per weight shape and row count, and the batch-invariant mode's runs of K:
+    of the runs' :func:`run_option`, the least cost (one walk over all of K wins a tie), its tiling
+    the shape's ``invariant`` and its fastest per row count each bucket's ``fused``."""
     shapes = {}
     for r in results:
         shapes.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], []).append(r)
@@ -238,28 +247,9 @@ def choose_table(results: list[dict], device_name: str, dtype: torch.dtype, sour
             for r in cands:
                 if r["tiling"] is not None:
                     runs.setdefault(Tiling(*r["tiling"]).k_split(k), {}).setdefault(rows, []).append(r)
-        options = []
-        for run, run_rows in runs.items():
-            if run_rows.keys() != by_rows.keys():
-                continue
-            fastest = {rows: min(cands, key=lambda r: r["us"]) for rows, cands in run_rows.items()}
-            relative = {}
-            for rows, cands in run_rows.items():
-                for r in cands:
-                    relative.setdefault(tuple(r["tiling"]), []).append(r["us"] / best[rows]["us"])
-            every_row = {t: sum(v) for t, v in relative.items() if len(v) == len(by_rows)}
-            agree = all(r["same_bits"] for cands in run_rows.values() for r in cands)
-            one = min(every_row, key=every_row.get) if every_row else None
-            if agree:
-                cost = sum(fastest[rows]["us"] / best[rows]["us"] for rows in by_rows)
-            elif one is not None:
-                cost = every_row[one]
-            else:
-                continue
-            if one is None:
-                one = tuple(fastest[max(by_rows)]["tiling"])
-            options.append((cost, run != k, one, agree, fastest))
-        _, _, invariant, agree, fastest = min(options, key=lambda o: o[:2])
+        options = {run: run_option(run_rows, best) for run, run_rows in runs.items()}
+        run = min((run for run, o in options.items() if o is not None), key=lambda run: (options[run][0], run != k))
+        _, invariant, agree, fastest = options[run]
         choices.append(ShapeChoice(n=n, k=k, invariant=Tiling(*invariant), tilings_agree=agree, by_rows=tuple(
             RowsChoice(max_rows=rows, tiling=None if r["tiling"] is None else Tiling(*r["tiling"]),
                        fused=Tiling(*fastest[rows]["tiling"]))

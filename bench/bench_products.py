@@ -20,11 +20,13 @@ K, or the runs of a split) with, at each row count, the fastest fused tiling of 
 candidate's rows are compared with those of the first tiling of its runs on the most rows; where
 every tiling of the runs gave every row the same bits the mode takes the fastest per row count,
 else the runs' one tiling with the least time summed over the row counts, each relative to that
-count's fastest. Of the runs timed at every row count the table keeps those that sum least so. The cuda backend runs by the table of its GPU model
-(``ngram_hal_cuda/products/``); ``bench/bench_shapes.py --products table,fixed`` runs the engine by
-it beside the fixed rule.
+count's fastest. Of the runs timed at every row count the table keeps those that sum least so.
+The cuda backend runs by the table of its GPU model (``ngram_hal_cuda/products/``);
+``bench/bench_shapes.py --products table,fixed`` runs the engine by it beside the fixed rule.
+``--products`` and ``--tilings`` restrict a sweep; ``--jobs N`` first compiles its kernels in N
+processes at once (a cold Triton cache otherwise compiles some hundred kernels one at a time).
 
-    python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b \\
+    python bench/bench_products.py --shapes smollm2-135m,llama-1b,llama-8b --jobs 8 \\
         --write-table backends/cuda/ngram_hal_cuda/products/h200.json --json reports/bench_products.json
     TRITON_INTERPRET=1 NGRAM_HAL_CUDA_PROXY=1 python bench/bench_products.py --device cpu --shapes tiny.json --rows 1,3
 """
@@ -36,6 +38,9 @@ import dataclasses
 import math
 import subprocess
 import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -270,6 +275,42 @@ def keep_others(old: ProductTable, new: ProductTable) -> ProductTable:
     return ProductTable(device=new.device, dtype=new.dtype, source=source, shapes=kept + new.shapes)
 
 
+def specialisations(rows: list[int]) -> list[int]:
+    """One row count of ``rows`` for each kind Triton compiles a kernel apart for: 1, a multiple of
+    16, any other."""
+    kinds = {}
+    for r in rows:
+        kinds.setdefault(1 if r == 1 else 16 if r % 16 == 0 else 0, r)
+    return sorted(kinds.values())
+
+
+def precompile(args) -> dict:
+    """Compile the sweep's kernels in ``args.jobs`` processes at once, before it is timed: each process
+    runs this script on one product and a share of the tilings, at one row count of each
+    specialisation and one replay, so that the sweep finds every kernel in Triton's cache (on a cold
+    cache one process compiles them one at a time: minutes). What it did, for the report."""
+    tilings = [t.label for t in (QUICK_SWEEP if args.quick else SWEEP) if not args.tilings or t.label in args.tilings]
+    products = args.products or list(PRODUCTS)
+    per_task = max(1, math.ceil(len(tilings) * len(products) / (2 * args.jobs)))
+    tasks = [(p, tilings[i:i + per_task]) for p in products for i in range(0, len(tilings), per_task)]
+    rows = ",".join(map(str, specialisations(args.rows)))
+
+    def compile_share(task: tuple[str, list[str]]) -> None:
+        product, share = task
+        with tempfile.TemporaryDirectory() as tmp:
+            done = subprocess.run([sys.executable, __file__, "--device", args.device, "--shapes", args.shapes,
+                                   "--rows", rows, "--replays", "1", "--max-copies", "1", "--products", product,
+                                   "--tilings", ",".join(share), "--json", str(Path(tmp) / "report.json")]
+                                  + (["--quick"] if args.quick else []), capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"--jobs: compiling {product} in {','.join(share)} failed:\n{done.stderr[-2000:]}")
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(compile_share, tasks))
+    return {"jobs": args.jobs, "processes": len(tasks), "rows": rows, "seconds": time.perf_counter() - start}
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
@@ -295,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"these products only (of {', '.join(PRODUCTS)}; default: all)")
     parser.add_argument("--tilings", type=name_list, default=None, metavar="LABEL,...",
                         help="these candidate tilings only, by label (16x32x256, 64x64x64/s6/k4, ...)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="compile the candidates in N processes at once before timing them (default 1: "
+                             "as they are timed)")
     parser.add_argument("--write-table", help="write the chosen products here (a product table JSON)")
     parser.add_argument("--json", default="reports/bench_products.json")
     args = parser.parse_args(argv)
@@ -306,12 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     labels = {t.label for t in SWEEP + QUICK_SWEEP}
     if args.tilings and not set(args.tilings) <= labels:
         parser.error(f"--tilings: no candidate {', '.join(sorted(set(args.tilings) - labels))}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     backend = CudaBackend(device=args.device)
     device = backend.device
     if args.write_table and device.type != "cuda":
         raise SystemExit("--write-table needs timings: run on a CUDA device")
     dtype = torch.float32 if interpreting() else default_dtype(device)
     console = make_console()
+    compiled = precompile(args) if args.jobs > 1 else None
+    if compiled:
+        console.print(f"{compiled['processes']} processes, {args.jobs} at a time, compiled the candidates at "
+                      f"{compiled['rows']} rows in {compiled['seconds']:.0f} s")
     bandwidth = None if device.type == "cpu" else backend.runtime.copy_bandwidth(1 << 30)
     results, skipped = [], []
     for spec in args.shapes.split(","):
@@ -339,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                    if v)
     source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))}{only} at {commit()}"
     report = {**report_header("ngram-hal/bench-products/1", backend), "dtype": str(dtype).removeprefix("torch."),
-              "copy_bandwidth_bytes_per_s": bandwidth, "results": results, "skipped": skipped}
+              "copy_bandwidth_bytes_per_s": bandwidth, "precompiled": compiled, "results": results,
+              "skipped": skipped}
     if args.write_table:
         chosen = choose_table(results, device_name, dtype, source)
         if Path(args.write_table).exists():

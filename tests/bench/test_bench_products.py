@@ -39,6 +39,31 @@ def test_quick_run_checks_every_product_and_candidate(bench_products, tmp_path):
 
 
 @pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
+def test_jobs_run_the_candidates_in_processes_first_and_the_sweep_after_them(bench_products, tmp_path):
+    """``--jobs 2``: a process per product and share of the tilings runs them first (at a row count of
+    each of Triton's specialisations), then the sweep times every candidate as without it."""
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 64}))
+    out = tmp_path / "products.json"
+    bench_products.main(["--device", "cpu", "--shapes", str(shape), "--rows", "1,3,16,17", "--quick", "--jobs", "2",
+                         "--products", "o,down", "--tilings", "16x16x64,16x16x64/k2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["precompiled"]["processes"] == 4, "two products x two tilings, shared out to twice the jobs"
+    assert report["precompiled"]["rows"] == "1,3,16"
+    assert {(r["product"], r["candidate"]) for r in report["results"]} == {
+        (p, c) for p in ("o", "down") for c in ("apart", "16x16x64", "16x16x64/k2")}
+    assert len(report["results"]) == 2 * 4 * 3
+
+
+def test_one_row_count_a_specialisation_and_jobs_at_least_one(bench_products):
+    assert bench_products.specialisations([1, 8, 16, 17, 32, 272]) == [1, 8, 16]
+    assert bench_products.specialisations([16, 32]) == [16]
+    with pytest.raises(SystemExit):
+        bench_products.main(["--device", "cpu", "--jobs", "0"])
+
+
+@pytest.mark.skipif(not interpreting(), reason="the quick CPU run needs TRITON_INTERPRET=1")
 def test_a_tiling_whose_stages_do_not_fit_the_device_is_skipped_and_listed(bench_products, tmp_path, monkeypatch):
     from triton.runtime.errors import OutOfResources
 

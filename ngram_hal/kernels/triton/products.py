@@ -109,7 +109,7 @@ class ShapeChoice(BaseModel):
     _invariant = field_validator("invariant")(_powers_of_two)
 
     @model_validator(mode="after")
-    def _increasing(self) -> ShapeChoice:
+    def _consistent(self) -> ShapeChoice:
         bounds = [c.max_rows for c in self.by_rows]
         if bounds != sorted(set(bounds)):
             raise ValueError(f"weight [{self.n}, {self.k}]: by_rows bounds must increase, got {bounds}")

@@ -107,9 +107,10 @@ class OverlapLoop:
         return self.policy.batch(reqs, self.drafts.match_lengths([r.rid for r in reqs]) if ask else None)
 
     def _drafter_busy(self) -> bool:
-        """In ``auto``: the drafter still records in the background (a batch of prompts); steps
-        run plain until it is done rather than wait for it (``always`` waits)."""
-        return self.policy.mode == "auto" and self.drafts.busy
+        """In ``auto`` on a device: the drafter still records in the background (a batch of
+        prompts); steps run plain until it is done rather than wait for it (``always`` waits, and
+        so does ``auto`` on a host runtime, whose steps would take the recording's cores)."""
+        return self.policy.mode == "auto" and not self.post.runtime.is_host and self.drafts.busy
 
     def _launch(self) -> InflightStep | None:
         """Enqueue the next step: a prefill of the requests admitted now, else a verify step of

@@ -105,6 +105,30 @@ def test_captured_steps_draft_what_eager_steps_draft(backend, prompts, alone):
 
 
 @gpu
+def test_on_a_device_auto_runs_plain_while_the_drafter_records(backend, prompts):
+    """While the drafter still records in the background (a batch of prompts), ``auto`` on a
+    device runs plain steps instead of waiting for it, and speculates once it is done; ``always``
+    waits. Outputs are exact either way."""
+    from test_engine import sizes_chosen, slow_to_record
+
+    from ngram_hal.speculative.drafter import TrieDrafter
+
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5, batch_invariant=True)
+    _, want = _run(model, prompts, tree_size=1)
+    for policy in ("auto", "always"):
+        engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8, tree_size=8,
+                                                  spec_policy=policy, probe_every=2),
+                        drafter=slow_to_record(TrieDrafter))
+        sizes = sizes_chosen(engine)
+        assert _generate(engine, prompts) == want
+        steps = engine.stats.decode_steps
+        if policy == "auto":
+            assert len(sizes) < steps and any(n > 1 for n in sizes)
+        else:
+            assert len(sizes) == steps and set(sizes) == {8}
+
+
+@gpu
 def test_dependent_launch_changes_no_token(backend, prompts):
     """The layer kernels launched early (programmatic dependent launch, on sm_90 and later) wait for
     the kernel before them: captured plain and verify steps give the tokens of serial launches."""

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 
-from common import (error_text, launch_settings, make_console, make_table, peak_rss_bytes,  # noqa: E402
+from common import (error_text, launch_settings, make_console, make_table, name_list, peak_rss_bytes,  # noqa: E402
                     release_memory, report_header, write_json, write_report)
 from step_profile import profile_steps  # noqa: E402
 
@@ -116,13 +116,6 @@ def run_configs(tree_sizes: Sequence[int]) -> list[RunConfig]:
             RunConfig(f"invariant-auto{d}-device", d, policy="auto", invariant=True, drafter="device")]
 
 
-def _name_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated run names")
-    return names
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options; list defaults depend on ``--quick`` (see :data:`FULL` and :data:`QUICK`)."""
     parser = Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
@@ -136,7 +129,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree-sizes", type=int_list, default=None, metavar="D,...",
                         help="speculative tree sizes; the first also runs without overlap, with auto and "
                              "batch-invariant (default 8,16; quick 4)")
-    parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
+    parser.add_argument("--runs", type=name_list, default=None, metavar="NAME,...",
                         help="only these runs (default: all; names in the description)")
     parser.add_argument("--requests", type=POSITIVE_INT, default=None, metavar="N",
                         help="requests per pass at batch sizes above 1: the prompts in turn, kinds interleaved "

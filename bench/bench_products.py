@@ -48,7 +48,7 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
+from common import graph_ms, make_console, make_table, name_list, report_header, write_report  # noqa: E402
 
 from ngram_hal.cli.run import int_list  # noqa: E402
 from ngram_hal.engine.shapes import load_shape  # noqa: E402
@@ -57,6 +57,7 @@ from ngram_hal.kernels.triton import interpreting  # noqa: E402
 from ngram_hal.kernels.triton.products import ProductTable, RowsChoice, ShapeChoice, Tiling  # noqa: E402
 from ngram_hal.kv_cache import KVCache  # noqa: E402
 from ngram_hal.model_kernels import default_dtype  # noqa: E402
+from ngram_hal.options import POSITIVE_INT  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 
 SWEEP = (Tiling(16, 32, 256), Tiling(16, 16, 256), Tiling(16, 16, 512), Tiling(16, 32, 128), Tiling(16, 32, 512),
@@ -83,10 +84,6 @@ AGREE = 0.05
 
 
 PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
-
-
-def name_list(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def projections(config) -> dict[str, tuple[int, int]]:
@@ -119,6 +116,13 @@ def call(kind: str, kernels: TritonLayerKernels, linear: TritonLinear, x: torch.
     return kernels.linear_add(x, linear, residual)
 
 
+def swept(args) -> tuple[Tiling, ...]:
+    """The tilings a run sweeps: :data:`SWEEP` (:data:`QUICK_SWEEP` with ``--quick``), those of
+    ``--tilings`` only where it is given."""
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    return tuple(t for t in sweep if not args.tilings or t.label in args.tilings)
+
+
 def candidates(kind: str, sweep: tuple[Tiling, ...]) -> tuple[Tiling, ...]:
     """The fused tilings timed for a product: ``sweep``, and for QKV also each unsplit one with the
     rotary kernel after it (``rotate`` False) as well as the rotation in its epilogue."""
@@ -147,9 +151,7 @@ def time_shape(name: str, config, args, backend, dtype, console, skipped: list[d
     the device (shared memory) are added to ``skipped`` instead."""
     kernels = TritonLayerKernels(config, backend, dtype)
     base = backend.launch
-    sweep = QUICK_SWEEP if args.quick else SWEEP
-    if args.tilings:
-        sweep = tuple(t for t in sweep if t.label in args.tilings)
+    sweep = swept(args)
     gen = torch.Generator(backend.device).manual_seed(args.seed)
     rows_out = []
     for kind, (n, k) in projections(config).items():
@@ -269,8 +271,8 @@ def keep_others(old: ProductTable, new: ProductTable) -> ProductTable:
     if (old.device, old.dtype) != (new.device, new.dtype):
         raise SystemExit(f"--write-table: the file holds a table for {old.device} {old.dtype}, "
                          f"this sweep ran on {new.device} {new.dtype}")
-    swept = {(c.n, c.k) for c in new.shapes}
-    kept = tuple(c for c in old.shapes if (c.n, c.k) not in swept)
+    new_shapes = {(c.n, c.k) for c in new.shapes}
+    kept = tuple(c for c in old.shapes if (c.n, c.k) not in new_shapes)
     source = new.source if not kept else f"{new.source}; other shapes: {old.source}"
     return ProductTable(device=new.device, dtype=new.dtype, source=source, shapes=kept + new.shapes)
 
@@ -289,7 +291,7 @@ def precompile(args) -> dict:
     runs this script on one product and a share of the tilings, at one row count of each
     specialisation and one replay, so that the sweep finds every kernel in Triton's cache (on a cold
     cache one process compiles them one at a time: minutes). What it did, for the report."""
-    tilings = [t.label for t in (QUICK_SWEEP if args.quick else SWEEP) if not args.tilings or t.label in args.tilings]
+    tilings = [t.label for t in swept(args)]
     products = args.products or list(PRODUCTS)
     per_task = max(1, math.ceil(len(tilings) * len(products) / (2 * args.jobs)))
     tasks = [(p, tilings[i:i + per_task]) for p in products for i in range(0, len(tilings), per_task)]
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"these products only (of {', '.join(PRODUCTS)}; default: all)")
     parser.add_argument("--tilings", type=name_list, default=None, metavar="LABEL,...",
                         help="these candidate tilings only, by label (16x32x256, 64x64x64/s6/k4, ...)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+    parser.add_argument("--jobs", type=POSITIVE_INT, default=1, metavar="N",
                         help="compile the candidates in N processes at once before timing them (default 1: "
                              "as they are timed)")
     parser.add_argument("--write-table", help="write the chosen products here (a product table JSON)")
@@ -350,8 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     labels = {t.label for t in SWEEP + QUICK_SWEEP}
     if args.tilings and not set(args.tilings) <= labels:
         parser.error(f"--tilings: no candidate {', '.join(sorted(set(args.tilings) - labels))}")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     backend = CudaBackend(device=args.device)
     device = backend.device
     if args.write_table and device.type != "cuda":
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
     only = "".join(f" --{name} {','.join(v)}" for name, v in (("products", args.products), ("tilings", args.tilings))
                    if v)
-    source = f"bench/bench_products.py --shapes {args.shapes} --rows {','.join(map(str, args.rows))}{only} at {commit()}"
+    rows = ",".join(map(str, args.rows))
+    source = f"bench/bench_products.py --shapes {args.shapes} --rows {rows}{only} at {commit()}"
     report = {**report_header("ngram-hal/bench-products/1", backend), "dtype": str(dtype).removeprefix("torch."),
               "copy_bandwidth_bytes_per_s": bandwidth, "precompiled": compiled, "results": results,
               "skipped": skipped}

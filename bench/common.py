@@ -177,6 +177,14 @@ def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, replays
     return elapsed
 
 
+def name_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated names (``"plain,spec8"``), at least one."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated names")
+    return names
+
+
 def launch_settings(text: str) -> dict[str, int | bool | None]:
     """``--launch``'s ``FIELD=VALUE,...``: each value an int, true, false or none."""
     settings: dict[str, int | bool | None] = {}

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                        ["case", "default us", "fastest us", "fastest / default", "fastest setting"],
                        left=["case", "fastest setting"])
     results = []
-    for case, batch, tree_size, a in made.calls:
+    for case, batch, tree_size, chain, a in made.calls:
         def run(launch, a=a):
             """A call of the attention under ``launch`` (its layout built under it too)."""
             base.launch = launch
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         us_default = None if ms is None else 1e3 * ms
         timed = [t for t in times if t["us"] is not None]
         best = min(timed, key=lambda t: t["us"]) if timed else None
-        results.append({"case": case, "batch": batch, "tree_size": tree_size, "default_us": us_default,
+        results.append({"case": case, "batch": batch, "tree_size": tree_size, "chain": chain, "default_us": us_default,
                         "fastest": best, "settings": times})
         table.add_row(case, "-" if us_default is None else f"{us_default:.2f}",
                       "-" if best is None else f"{best['us']:.2f}",

@@ -46,8 +46,8 @@ MOVE_ARGS = dict(k_cache=BF16P, v_cache=BF16P, src_ptr=I64P, dst_ptr=I64P, scrat
 KERNELS["move_kv registers"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS,
                                 dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=False), 16)
 KERNELS["move_kv scratch"] = ("triton.kv", "move_kv_kernel", MOVE_ARGS, dict(BLOCK_C=64, PAIR_TILE=512, USE_SCRATCH=True), 16)
-ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_o_ptr=F32P, mid_lse_ptr=F32P,
-                      fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P,
+ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_o_ptr=F32P, mid_m_ptr=F32P,
+                      mid_w_ptr=F32P, fold_m_ptr=F32P, fold_w_ptr=F32P, fold_o_ptr=F32P,
                       req_to_token_ptr=I64P, req_pool_ptr=I64P, kv_lens_ptr=I64P, q_lens_ptr=I64P, q_start_ptr=I64P,
                       tile_req_ptr=I64P, tile_q0_ptr=I64P, tree_mask_ptr=U8P, path_ptr=I64P, B="i32", R="i32", M="i32", S="i32",
                       N="i32", stride_slot="i32", sm_scale_log2="fp32", chunk="i32", SPLITS="i32")
@@ -57,11 +57,11 @@ ATTENTION_ARGS = dict(q_ptr=BF16P, k_ptr=BF16P, v_ptr=BF16P, out_ptr=BF16P, mid_
 # conformance suite's) with a 64-node tree.
 ATTENTION_CASES = {
     "decode split, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, False, BF16P),
-    "decode folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 0, True, BF16P),
+    "decode folded, 9/3x64": (9, 3, 64, 0, 5, 16, 128, True, False, 0, True, BF16P),
     "tree 16, 9/3x64": (9, 3, 64, 16, 21, 64, 128, False, False, 0, False, BF16P),
     "tree 16 on paths, 9/3x64": (9, 3, 64, 16, 1, 64, 32, True, True, 2, False, BF16P),
-    "shared prefix folded, 9/3x64": (9, 3, 64, 0, 5, 16, 64, True, False, 1, True, BF16P),
-    "tree 16 on paths folded, 9/3x64": (9, 3, 64, 16, 1, 16, 64, True, True, 2, True, BF16P),
+    "shared prefix folded, 9/3x64": (9, 3, 64, 0, 5, 16, 128, True, False, 1, True, BF16P),
+    "tree 16 on paths folded, 9/3x64": (9, 3, 64, 16, 1, 16, 128, True, True, 2, True, BF16P),
     "decode split, 32/8x128": (32, 8, 128, 0, 4, 16, 32, True, False, 0, False, BF16P),
     "tree 8, 32/8x128": (32, 8, 128, 8, 8, 32, 32, True, False, 0, False, BF16P),
     "tree 64 float32, 8/2x64": (8, 2, 64, 64, 16, 64, 64, True, False, 0, False, F32P),
@@ -76,7 +76,8 @@ KERNELS["attention plan"] = ("triton.attention", "plan_kernel",
                              dict(q_lens_ptr=I64P, q_lens_out=I64P, q_start_out=I64P, tile_req_out=I64P,
                                   tile_q0_out=I64P, B="i32", count="i32"), dict(BLOCK_Q=5, BLOCK_B=16, BLOCK_T=32), 4)
 KERNELS["attention merge"] = ("triton.attention", "merge_kernel",
-                              dict(mid_o_ptr=F32P, mid_lse_ptr=F32P, out_ptr=BF16P, ROWS="i32", SPLITS="i32"),
+                              dict(mid_o_ptr=F32P, mid_m_ptr=F32P, mid_w_ptr=F32P, out_ptr=BF16P, ROWS="i32",
+                                   SPLITS="i32"),
                               dict(HEAD_DIM=64, BLOCK_R=8, BLOCK_S=16, BLOCK_D=64, SKIP_EMPTY=True, PDL=False), 4)
 KERNELS["rms_norm"] = ("gpu.norm", "rms_norm_kernel", dict(x_ptr=BF16P, delta_ptr=BF16P, weight_ptr=BF16P,
                                                               out_ptr=BF16P, hidden="i32", eps="fp32"),

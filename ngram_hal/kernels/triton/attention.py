@@ -7,7 +7,7 @@ BLOCK_Q * G`` rows, so a decode step still feeds the matrix units), and it walks
 blocks of ``BLOCK_N``, reading each key's slot from ``req_to_token`` and the K/V rows from the
 cache (any page size: the table maps positions to slots one by one), with an online softmax.
 When tiles times heads are too few to fill the device, the key range is split (flash-decoding) and
-a second kernel folds the partial results in split order by their log-sum-exp
+a second kernel folds the splits' unnormalised softmax states in split order
 (:func:`fold_split`). The number of splits follows the
 host's bound on the keys; each request's own keys are then shared evenly by the splits (whole key
 blocks), so a short context in a step captured for long ones still spreads over every split.
@@ -59,28 +59,29 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def fold_split(run_m, run_w, run_o, lse, o):
-    """Fold one key split's result into the running result of the splits before it, in split order.
+def fold_split(run_m, run_w, run_o, m, w, o):
+    """Fold one key split's softmax state into the running state of the splits before it, in split order.
 
-    Args: run_m, run_w: float32[R], the running log2 scale and softmax mass (-inf and 0 before the
-    first split); run_o: float32[R, D], the running unnormalised output; lse: float32[R], the split's
-    log2-sum-exp (-inf where it saw no key: the row is left as it was, whatever its o holds);
-    o: float32[R, D], its normalised output. Returns the new (run_m, run_w, run_o); the output is
-    ``run_o / run_w``. Elementwise, with fused multiply-adds spelled out, so a program that walks its
-    splits and folds them as it goes and the merge of splits computed apart give the same bits."""
-    top = tl.maximum(run_m, lse)
+    A state is unnormalised: m: float32[R], the log2 of the scale its weights are taken against
+    (-inf where it saw no key), w: float32[R], the softmax mass at that scale, o: float32[R, D], the
+    values weighted at that scale; its output is ``o / w``. A split that saw no key (``w == 0``) leaves
+    the rows as they were, whatever its o holds. Returns the new (run_m, run_w, run_o); the first
+    split folds into (-inf, 0, 0). Elementwise, with fused multiply-adds spelled out, so a program
+    that walks its splits and folds them as it goes and the merge of splits computed apart give the
+    same bits."""
+    top = tl.maximum(run_m, m)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     keep = tl.exp2(run_m - top_safe)
-    add = tl.exp2(lse - top_safe)
-    empty = lse == float("-inf")
+    add = tl.exp2(m - top_safe)
+    empty = w == 0.0
     o = tl.where(empty[:, None], 0.0, o)
-    return (tl.where(empty, run_m, top), tl.where(empty, run_w, tl.fma(run_w, keep, add)),
+    return (tl.where(empty, run_m, top), tl.where(empty, run_w, tl.fma(run_w, keep, w * add)),
             tl.where(empty[:, None], run_o, tl.fma(run_o, keep[:, None], o * add[:, None])))
 
 
 @triton.jit(do_not_specialize=["B", "R", "M", "S", "N", "chunk", "SPLITS"])
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_w_ptr, fold_m_ptr, fold_w_ptr, fold_o_ptr,
     req_to_token_ptr, req_pool_ptr, kv_lens_ptr, q_lens_ptr, q_start_ptr, active_ptr,
     tile_req_ptr, tile_q0_ptr, tree_mask_ptr, path_ptr,
     B, R, M, S, N, stride_slot, sm_scale_log2, chunk, SPLITS,
@@ -220,20 +221,23 @@ def attention_kernel(
                         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                     m_i = m_new
 
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                # The split's state stays unnormalised (fold_split): the fold and the merge take it
+                # as it is, and only the output divides.
                 if FOLD:
-                    run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
+                    run_m, run_w, run_o = fold_split(run_m, run_w, run_o, m_i, l_i, acc)
                 elif SPLIT:
-                    tl.store(mid_lse_ptr + part, lse, mask=row_ok)
-                    tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], o,
+                    tl.store(mid_m_ptr + part, m_i, mask=row_ok)
+                    tl.store(mid_w_ptr + part, l_i, mask=row_ok)
+                    tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc,
                              mask=row_ok[:, None] & col_ok[None, :])
                 else:
+                    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                     tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             elif not FOLD:
                 if SPLIT:
-                    tl.store(mid_lse_ptr + part, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
+                    tl.store(mid_m_ptr + part, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
+                    tl.store(mid_w_ptr + part, tl.zeros((BLOCK_M,), tl.float32), mask=row_ok)
                 else:
                     tl.store(out_ptr + fold_row[:, None] * HEAD_DIM + cols[None, :],
                              tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty),
@@ -250,14 +254,15 @@ def attention_kernel(
 
 
 @triton.jit
-def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr):
-    """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: the splits' results
-    (``mid_*[split, r]``) folded in split order (fold_split), ``BLOCK_S`` splits' loads issued
-    together (none waits for another split's value). ``SKIP_EMPTY``: a split's output is read only
-    where its log-sum-exp says it saw keys, so the splits past a context (most of the batch-invariant
-    mode's, whose splits follow the host's bound) cost no traffic, for one more wait (the output's
-    load follows the log-sum-exp's). Elementwise per row, so neither that nor the rows a program
+def merge_kernel(mid_o_ptr, mid_m_ptr, mid_w_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+                 PDL: tl.constexpr):
+    """out[r] for ``BLOCK_R`` rows r (query x query head) of ``ROWS``: the splits' states
+    (``mid_*[split, r]``, unnormalised: :func:`fold_split`) folded in split order, ``BLOCK_S`` splits'
+    loads issued together (none waits for another split's value). ``SKIP_EMPTY``: a split's values are
+    read only where its mass says it saw keys, so the splits past a context (most of the
+    batch-invariant mode's, whose splits follow the host's bound) cost little traffic, for one more
+    wait (that load follows the mass's). Elementwise per row, so neither that nor the rows a program
     takes changes a row's bits."""
     await_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -272,13 +277,14 @@ def merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, ROWS, SPLITS, HEAD_DIM: tl.con
             split = tl.zeros((BLOCK_R,), tl.int64) + s0 + i
             part = split * ROWS + rows
             ok = row_ok & (split < SPLITS)
-            lse = tl.load(mid_lse_ptr + part, mask=ok, other=float("-inf"))
-            # An empty split's output was never written: not read, and fold_split leaves its rows
-            # as they were.
-            seen = ok & (lse != float("-inf")) if SKIP_EMPTY else ok
+            m = tl.load(mid_m_ptr + part, mask=ok, other=float("-inf"))
+            w = tl.load(mid_w_ptr + part, mask=ok, other=0.0)
+            # An empty split stored its scale and mass only (-inf, 0): its values are not read, and
+            # fold_split leaves its rows as they were.
+            seen = ok & (w != 0.0) if SKIP_EMPTY else ok
             o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=seen[:, None] & col_ok[None, :],
                         other=0.0)
-            run_m, run_w, run_o = fold_split(run_m, run_w, run_o, lse, o)
+            run_m, run_w, run_o = fold_split(run_m, run_w, run_o, m, w, o)
     merged = run_o / tl.where(run_w > 0, run_w, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], merged.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -407,10 +413,13 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     block_d = max(16, _pow2(d))
     # One query per request (decode) and tree verify read more keys per step and split like decode
     # (bench/bench_attention_verify.py); never in the batch-invariant mode, where decode and verify
-    # must walk the keys in the same blocks and fixed chunks.
+    # must walk the keys in the same blocks and fixed chunks. That mode's tiles are a decode's (one
+    # query's heads, or a few queries), so its steps read as many keys as a decode step's: a split of
+    # attn_invariant_keys = 128 is one step, and a program that folds its splits walks as many steps
+    # as the default mode's.
     decode = tree is None and per_req == 1 and not layout.batch_invariant
     few_queries = decode or (tree is not None and not layout.batch_invariant)
-    block_n = cfg.attn_block_n(d, q.element_size(), few_queries)
+    block_n = cfg.attn_block_n(d, q.element_size(), few_queries or layout.batch_invariant)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
     min_split = cfg.attn_split_keys(block_n, few_queries)
     want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)
@@ -435,10 +444,11 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     # attn_invariant_fold times over; fewer take the splits in parallel and a merge folds them.
     fold = (layout.batch_invariant and splits > 1 and cfg.attn_invariant_fold is not None
             and first_tiles.req.shape[0] * H >= want * cfg.attn_invariant_fold)
-    mid_o = mid_lse = fold_m = fold_w = fold_o = out
+    mid_o = mid_m = mid_w = fold_m = fold_w = fold_o = out
     if splits > 1 and not fold:
         mid_o = torch.empty((splits, N, Hq, d), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((splits, N, Hq), dtype=torch.float32, device=q.device)
+        mid_m = torch.empty((splits, N, Hq), dtype=torch.float32, device=q.device)
+        mid_w = torch.empty((splits, N, Hq), dtype=torch.float32, device=q.device)
     if fold and shared_prefix:
         fold_m = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         fold_w = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
@@ -457,7 +467,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         elif layout.batch_invariant:
             programs = min(splits, max(1, -(-want * cfg.attn_invariant_fill // (tiles.req.shape[0] * H))))
         attention_kernel[(tiles.req.shape[0], H, programs)](
-            q, k_layer, v_layer, out, mid_o, mid_lse, fold_m, fold_w, fold_o,
+            q, k_layer, v_layer, out, mid_o, mid_m, mid_w, fold_m, fold_w, fold_o,
             layout.req_to_token, layout.req_pool_indices, layout.kv_lens, plan.q_lens, plan.q_start,
             plan.q_lens if layout.q_active is None else layout.q_active,
             tiles.req, tiles.q0, mask, plan.path(tree) if path else plan.q_lens,
@@ -484,7 +494,7 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
         # rows skip the empty splits' outputs (H200, a 16-node verify step at batch 16: the merges
         # 0.76x as long; one-row programs, decode at batch 16, were 1.14x with it).
         block_r = min(16, pow2_floor(N * Hq // want))
-        merge_kernel[(-(-N * Hq // block_r),)](mid_o, mid_lse, out, N * Hq, splits, HEAD_DIM=d, BLOCK_R=block_r,
+        merge_kernel[(-(-N * Hq // block_r),)](mid_o, mid_m, mid_w, out, N * Hq, splits, HEAD_DIM=d, BLOCK_R=block_r,
                                                BLOCK_S=min(16, _pow2(splits)), BLOCK_D=block_d, SKIP_EMPTY=block_r > 1,
                                                num_warps=cfg.num_warps, **pdl_keywords(cfg.pdl), **cfg.options())
     return out

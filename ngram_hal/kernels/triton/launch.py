@@ -39,7 +39,7 @@ class LaunchConfig:
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the
             keys per step, ``BLOCK_N``); decode and tree-verify programs (one tile of queries per
-            request) read twice as many per step.
+            request) and every program of the batch-invariant mode read twice as many per step.
         attn_warps: warps of an attention program (None: 4, or 8 for the largest tiles).
         attn_even_split: outside the batch-invariant mode, share each request's own keys evenly
             by the splits the host's bound on the keys asks for (True), or cut that bound into

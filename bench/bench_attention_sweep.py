@@ -3,7 +3,7 @@
 Each setting is a ``LaunchConfig`` with some attention fields changed (``attn_block_m``,
 ``attn_tree_block_m``, ``attn_key_bytes``, ``attn_num_stages``, ``attn_warps``, ``attn_programs``;
 ``--knob`` sets a field's values); every combination of
-the values given runs every case: decode and branching trees of 16 nodes at the batches given, one
+the values given runs every case: decode, branching trees and chains of 16 nodes at the batches given, one
 layer, SmolLM2-135M heads (9 query, 3 KV, 64 wide), bf16, keys bounded by the request table's width
 (2048) with contexts of 300-900 keys, as a captured step calls it (:mod:`bench_attention_verify`'s
 calls). Every setting must agree with the default's output within bf16 rounding before it is timed

@@ -26,7 +26,7 @@ def test_quick_run_agrees_and_reports_every_setting(sweep, tmp_path):
     report = json.loads(out.read_text())
     assert report["knobs"]["attn_tree_block_m"] == [16, 64]
     assert report["knobs"]["attn_programs"] == [None]
-    assert [r["tree_size"] for r in report["results"]] == [1, 16]
+    assert [(r["tree_size"], r["chain"]) for r in report["results"]] == [(1, False), (16, False), (16, True)]
     for row in report["results"]:
         assert [s["setting"]["attn_tree_block_m"] for s in row["settings"]] == [16, 64]
         assert all(s["us"] is None for s in row["settings"]), "no graphs on the CPU"

@@ -35,6 +35,12 @@ class LaunchConfig:
             sit at fixed positions whatever the batch (None: four steps of the key loop). Fewer keys
             a split spread a small batch's keys over more programs; more keys a split merge fewer
             partial results in a large batch.
+        attn_invariant_fold: in the batch-invariant mode, a call whose tiles x heads fill the device
+            (``attn_programs``) this many times over takes each tile and head's splits in one
+            program that walks and folds them in order, with no merge launch (the same bits); None:
+            never.
+        attn_invariant_block_m: rows of every attention program in the batch-invariant mode (a row's
+            bits follow the height); None: the smallest, one query's heads (at least 16).
         attn_num_stages: software-pipelining stages of the attention key loop (decode: one
             more).
         attn_key_bytes: bytes of K one step of the attention key loop reads per KV head (sets the

@@ -3,7 +3,8 @@
 Reads a report of ``bench/bench_products.py`` (every candidate product timed per shape and row
 count) and one or more product tables, and gives for each shape, row count and mode the time of a
 step's products as each table chooses them: the layers' four products times the layer count, plus
-the LM head, each at the device time the sweep measured for that choice (the default mode:
+the LM head (those of them the sweep timed: a sweep of QKV alone prices QKV's share of a step),
+each at the device time the sweep measured for that choice (the default mode:
 :func:`~ngram_hal.kernels.triton.products.choose`, the steps apart where it says None; the
 batch-invariant mode: :func:`~ngram_hal.kernels.triton.products.choose_invariant`). A sum of
 products timed one at a time, with the weights cycled out of L2: not a step's time (attention, the
@@ -41,9 +42,9 @@ def measured(results: list[dict]) -> dict:
 
 
 def step_products(results: list[dict], table: ProductTable, layers: dict[str, int]) -> list[dict]:
-    """One row per shape, row count and mode: each product's choice and time by ``table``, and
-    their sum over a step (``layers[shape]`` layers and the LM head; None where a choice is
-    missing from the sweep or its shape from the table)."""
+    """One row per shape, row count and mode: each swept product's choice and time by ``table``,
+    and their sum over a step (``layers[shape]`` layers and the LM head, where swept; None where a
+    choice is missing from the sweep or its shape from the table)."""
     times = measured(results)
     weights, row_counts = {}, {}
     for r in results:
@@ -59,9 +60,12 @@ def step_products(results: list[dict], table: ProductTable, layers: dict[str, in
                     tiling = None if choice is None else pick(choice, rows)
                     us = None if choice is None else times.get((shape, product, rows, tiling))
                     chosen[product] = {"tiling": None if tiling is None else list(tiling), "us": us}
-                us = [chosen[p]["us"] if p in chosen else None for p in (*LAYER_PRODUCTS, "lm_head")]
-                out.append({"shape": shape, "rows": rows, "mode": mode, "products": chosen,
-                            "step_us": None if None in us else layers[shape] * sum(us[:4]) + us[4]})
+                layer_us = [chosen[p]["us"] for p in LAYER_PRODUCTS if p in chosen]
+                head_us = [chosen["lm_head"]["us"]] if "lm_head" in chosen else []
+                step_us = None
+                if None not in layer_us + head_us:
+                    step_us = layers[shape] * sum(layer_us) + sum(head_us)
+                out.append({"shape": shape, "rows": rows, "mode": mode, "products": chosen, "step_us": step_us})
     return out
 
 
@@ -76,14 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.tables.split(",")
     priced = {path: step_products(results, ProductTable.load(path), layers) for path in paths}
     console = make_console()
-    table = make_table("a step's products by each table, us (the sweep's times summed: layers x 4 products + LM head)",
-                       ["shape", "rows", "mode", *(Path(p).name for p in paths), *(f"{Path(p).name} / first"
+    table = make_table("a step's products by each table, us (the sweep's times summed: layers x the swept layer "
+                       "products + LM head, where swept)",
+                       ["shape", "products", "rows", "mode", *(Path(p).name for p in paths), *(f"{Path(p).name} / first"
                                                                                      for p in paths[1:])],
-                       left=["shape", "mode"])
+                       left=["shape", "products", "mode"])
     for i, first in enumerate(priced[paths[0]]):
         sums = [priced[p][i]["step_us"] for p in paths]
         ratios = ["-" if None in (s, sums[0]) else f"{s / sums[0]:.2f}x" for s in sums[1:]]
-        table.add_row(first["shape"], str(first["rows"]), first["mode"],
+        table.add_row(first["shape"], ",".join(first["products"]), str(first["rows"]), first["mode"],
                       *("missing" if s is None else f"{s:.1f}" for s in sums), *ratios)
     console.print(table)
     write_report(args.json, {"schema": "ngram-hal/bench-table-steps/1", "products_report": args.products,

@@ -24,6 +24,16 @@ def _results(shape: str) -> list[dict]:
     return out
 
 
+def _sweep(tmp_path, products: set[str]):
+    """A products report of ``products`` (:func:`_results`) on a two-layer shape file."""
+    shape = tmp_path / "two-layers.json"
+    shape.write_text(json.dumps({"vocab_size": 64, "hidden_size": 8, "intermediate_size": 16, "num_layers": 2,
+                                 "num_heads": 2, "num_kv_heads": 1, "head_dim": 4}))
+    report = tmp_path / "products.json"
+    report.write_text(json.dumps({"results": [r for r in _results(str(shape)) if r["product"] in products]}))
+    return report
+
+
 def _table(path, by_rows, agree: bool, invariant=A):
     shapes = [{"n": n, "k": k, "invariant": invariant, "tilings_agree": agree,
                "by_rows": [{"max_rows": m, "tiling": t, "fused": A} for m, t in by_rows]} for n, k in SHAPES.values()]
@@ -34,11 +44,7 @@ def _table(path, by_rows, agree: bool, invariant=A):
 
 def test_each_table_is_priced_by_the_same_sweep(tmp_path, load_bench):
     bench = load_bench("bench_table_steps")
-    shape = tmp_path / "two-layers.json"
-    shape.write_text(json.dumps({"vocab_size": 64, "hidden_size": 8, "intermediate_size": 16, "num_layers": 2,
-                                 "num_heads": 2, "num_kv_heads": 1, "head_dim": 4}))
-    products = tmp_path / "products.json"
-    products.write_text(json.dumps({"results": _results(str(shape))}))
+    products = _sweep(tmp_path, set(SHAPES))
     apart = _table(tmp_path / "apart.json", [(4, None)], agree=False)
     fused_one_row = _table(tmp_path / "fused.json", [(1, A)], agree=True)
     unswept = _table(tmp_path / "unswept.json", [(4, [16, 16, 64, 4, 3, 1, False])], agree=False)
@@ -53,3 +59,17 @@ def test_each_table_is_priced_by_the_same_sweep(tmp_path, load_bench):
     assert sums[(apart, 4, "invariant")] == 2 * 32 + 30, "tilings that differ: the one invariant tiling"
     assert sums[(fused_one_row, 4, "invariant")] == 2 * 32 + 30, "tilings that agree: the last bucket's fused"
     assert sums[(unswept, 1, "default")] is None, "a choice the sweep did not time is missing, not zero"
+
+
+def test_a_sweep_of_some_products_prices_their_share_of_a_step(tmp_path, load_bench):
+    bench = load_bench("bench_table_steps")
+    products = _sweep(tmp_path, {"qkv"})
+    apart = _table(tmp_path / "apart.json", [(4, None)], agree=False)
+    fused_one_row = _table(tmp_path / "fused.json", [(1, A)], agree=True)
+    out = tmp_path / "steps.json"
+    bench.main(["--products", str(products), "--tables", f"{apart},{fused_one_row}", "--json", str(out)])
+    rows = json.loads(out.read_text())["tables"]
+    sums = {(path, r["rows"], r["mode"]): r["step_us"] for path, table in rows.items() for r in table}
+    assert sums[(apart, 1, "default")] == 2 * 10, "QKV alone: the layers x its time, no LM head"
+    assert sums[(fused_one_row, 1, "default")] == 2 * 4
+    assert all(set(r["products"]) == {"qkv"} for table in rows.values() for r in table)

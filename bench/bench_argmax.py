@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_ms, make_console, make_table, report_header, write_report  # noqa: E402
 
-from ngram_hal.cli.run import int_list  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.kernels.gpu.argmax import argmax  # noqa: E402
 from ngram_hal_cuda import CudaBackend  # noqa: E402
 

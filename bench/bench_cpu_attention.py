@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
-from ngram_hal.cli.run import int_list  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.kernels.cpu.attention import KERNEL_QUERIES, attend  # noqa: E402
 from ngram_hal.reference import CpuBackend  # noqa: E402
 from ngram_hal.reference.attention import _sdpa  # noqa: E402

@@ -34,7 +34,7 @@ from bench_active_replay import load_outputs  # noqa: E402
 from bench_policy_replay import accepted_run  # noqa: E402
 from common import make_console, make_table, report_header, write_report  # noqa: E402
 
-from ngram_hal.cli.run import int_list  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.engine.policy import SpecPolicy, StepCosts  # noqa: E402
 from ngram_hal.engine.tokenizer import Tokenizer  # noqa: E402
 from ngram_hal.registry import get_backend  # noqa: E402

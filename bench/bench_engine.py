@@ -70,8 +70,10 @@ from common import (error_text, launch_settings, make_console, make_table, name_
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.cli import CommandError, Parser, report_errors  # noqa: E402
-from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, Setup, add_model_arguments, add_shape_argument,  # noqa: E402
-                               check_tree_room, int_list, prompt_specs)
+from ngram_hal.cli.checks import check_tree_room, prompt_specs  # noqa: E402
+from ngram_hal.cli.engine_args import DEFAULT_NUM_SLOTS, add_model_arguments, add_shape_argument  # noqa: E402
+from ngram_hal.cli.setup import Setup  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.engine.request import SamplingParams  # noqa: E402
 from ngram_hal.engine.workload import PromptSpec, RunResult, RunTotals, run_prompts  # noqa: E402
 from ngram_hal.options import POSITIVE_INT, field_type  # noqa: E402

@@ -23,7 +23,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,7 +30,9 @@ from common import make_console, make_table, report_header, write_report  # noqa
 from step_profile import count_events  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.cli.run import DTYPES, default_drafter, default_tree_size, int_list  # noqa: E402
+from ngram_hal.cli.engine_args import DTYPES  # noqa: E402
+from ngram_hal.cli.setup import default_drafter, default_tree_size  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
 from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_ms, make_console, make_table, name_list, report_header, write_report  # noqa: E402
 
-from ngram_hal.cli.run import int_list  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.engine.shapes import load_shape  # noqa: E402
 from ngram_hal.kernels.gpu.layer_kernels import TritonLayerKernels, TritonLinear  # noqa: E402
 from ngram_hal.kernels.triton import interpreting  # noqa: E402

@@ -52,7 +52,8 @@ from common import (launch_settings, make_console, make_table, release_memory, r
 from step_profile import profile_steps  # noqa: E402
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.cli.run import DTYPES, int_list  # noqa: E402
+from ngram_hal.cli.engine_args import DTYPES  # noqa: E402
+from ngram_hal.options import int_list  # noqa: E402
 from ngram_hal.engine.config import EngineConfig  # noqa: E402
 from ngram_hal.engine.engine import Engine  # noqa: E402
 from ngram_hal.engine.model import LlamaModel, random_weights  # noqa: E402

@@ -47,7 +47,8 @@ from common import (error_text, make_console, make_table, peak_rss_bytes,  # noq
                     report_header, write_json, write_report)
 
 from ngram_hal.backend import OPS  # noqa: E402
-from ngram_hal.cli.run import DTYPES, default_drafter  # noqa: E402
+from ngram_hal.cli.engine_args import DTYPES  # noqa: E402
+from ngram_hal.cli.setup import default_drafter  # noqa: E402
 from ngram_hal.engine.engine import Engine, EngineConfig  # noqa: E402
 from ngram_hal.engine.gguf_loader import find_model_file  # noqa: E402
 from ngram_hal.engine.model import LlamaModel  # noqa: E402

@@ -49,3 +49,8 @@ POSITIVE_INT = checked(Annotated[int, Field(ge=1)])
 
 FRACTION = checked(Annotated[float, Field(gt=0, le=1)])
 """An argparse ``type`` for a float in (0, 1]."""
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated positive ints (``"1,16,64"``)."""
+    return [POSITIVE_INT(part) for part in text.split(",")]

@@ -3,7 +3,7 @@
 ``ngram-hal backends``     registered backends, their availability and why not
 ``ngram-hal conformance``  run the conformance suite on one backend (JUnit + JSON report)
 ``ngram-hal matrix``       merge conformance JSON reports into one backend x test matrix
-``ngram-hal run|bench``    the engine's commands (:mod:`ngram_hal.cli.run`)
+``ngram-hal run|bench``    the engine's commands (:mod:`ngram_hal.cli.run`, :mod:`ngram_hal.cli.bench`)
 
 Every command reports a bad option, input file or environment the same way: ``error: ...`` on
 one line naming what was wrong and what is allowed, a non-zero exit code (2 for a bad option or
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from ..options import POSITIVE_INT
-from . import run, sanitizer
+from . import bench, run, sanitizer
 from .common import DEBUG_ENV, CommandError, Parser, report_errors
 from .hal import backends_command, conformance_command, matrix_command
 
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_run_arguments(p)
     p.set_defaults(func=run.run_command)
     p = sub.add_parser("bench", parents=[debug], help="benchmark the engine")
-    run.add_bench_arguments(p)
-    p.set_defaults(func=run.bench_command)
+    bench.add_bench_arguments(p)
+    p.set_defaults(func=bench.bench_command)
     return parser
 
 

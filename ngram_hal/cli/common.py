@@ -1,5 +1,5 @@
 """What every ``ngram-hal`` command shares: one-line errors with their exit codes, the parser
-that exits 2 on a bad option, and the checked, atomic writing of reports."""
+that exits 2 on a bad option, the checked, atomic writing of reports, and ratios of rates."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def error_line(exc: BaseException) -> str:
     """The first line of an exception's message (a KeyError's without its quotes)."""
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     return first_line(text) or type(exc).__name__
+
+
+def ratio(a: float, b: float) -> float | None:
+    """``a / b``, or None where ``b`` is 0 (a speedup against a run that made nothing)."""
+    return a / b if b else None
 
 
 def env_flag(name: str) -> bool:

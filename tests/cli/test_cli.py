@@ -105,11 +105,12 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_every_command_is_registered(monkeypatch, capsys):
-    """The engine's commands sit beside the HAL's, dispatched to :mod:`ngram_hal.cli.run`."""
+    """The engine's commands sit beside the HAL's, dispatched to :mod:`ngram_hal.cli.run` and
+    :mod:`ngram_hal.cli.bench`."""
     assert {"backends", "conformance", "matrix", "run", "bench"} == subcommands(capsys)
     calls = []
     monkeypatch.setattr(cli.run, "run_command", lambda args: calls.append(("run", args.prompt)) or 0)
-    monkeypatch.setattr(cli.run, "bench_command", lambda args: calls.append(("bench", args.batch_sizes)) or 3)
+    monkeypatch.setattr(cli.bench, "bench_command", lambda args: calls.append(("bench", args.batch_sizes)) or 3)
     assert cli.main(["run", "--prompt", "hi"]) == 0
     assert cli.main(["bench", "--batch-sizes", "16"]) == 3
     assert calls == [("run", "hi"), ("bench", [16])]

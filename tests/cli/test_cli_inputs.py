@@ -15,7 +15,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from ngram_hal.cli.run import prompt_room_error
+from ngram_hal.cli.checks import prompt_room_error
 from ngram_hal.engine.config import LlamaConfig
 from ngram_hal.engine.engine import Engine, EngineConfig
 from ngram_hal.engine.model import LlamaModel

@@ -10,8 +10,9 @@ import torch
 
 from ngram_hal.cli import main
 from ngram_hal.cli import CommandError
-from ngram_hal.cli.run import (DEFAULT_NUM_SLOTS, busy_note, choose_threads, kv_cache_slots, reference_note,
-                               summary_line)
+from ngram_hal.cli.checks import busy_note, choose_threads, kv_cache_slots, reference_note
+from ngram_hal.cli.engine_args import DEFAULT_NUM_SLOTS
+from ngram_hal.cli.run import summary_line
 from ngram_hal.engine.shapes import PRESETS, kv_bytes, parameter_bytes
 from ngram_hal.engine.gguf_loader import find_model_file
 from ngram_hal.engine.workload import (PromptSpec, RequestRecord, RunResult, RunTotals, bundled_prompts,
@@ -233,7 +234,8 @@ def test_kv_cache_slots_from_the_free_memory():
 
 
 def test_defaults_follow_the_device():
-    from ngram_hal.cli.run import CPU_TREE_SIZE, GPU_TREE_SIZE, default_drafter, default_tree_size
+    from ngram_hal.cli.engine_args import CPU_TREE_SIZE, GPU_TREE_SIZE
+    from ngram_hal.cli.setup import default_drafter, default_tree_size
     from ngram_hal.reference import CpuBackend
 
     host = CpuBackend()

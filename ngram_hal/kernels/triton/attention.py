@@ -411,15 +411,14 @@ def attention(q: torch.Tensor, kv: KVCache, layer: int, layout: AttentionLayout,
     tiles = plan.tiles(block_q)
     num_tiles = tiles.req.shape[0]
     block_d = max(16, _pow2(d))
-    # One query per request (decode) and tree verify read more keys per step and split like decode
-    # (bench/bench_attention_verify.py); never in the batch-invariant mode, where decode and verify
-    # must walk the keys in the same blocks and fixed chunks. That mode's tiles are a decode's (one
-    # query's heads, or a few queries), so its steps read as many keys as a decode step's: a split of
-    # attn_invariant_keys = 128 is one step, and a program that folds its splits walks as many steps
-    # as the default mode's.
+    # One query per request (decode) and tree verify split like decode (bench/bench_attention_verify.py);
+    # never in the batch-invariant mode, where decode and verify must walk the keys in the same blocks
+    # and fixed chunks. Their short tiles read more keys a step, and so do every one of that mode's
+    # (one query's heads, or a few queries): a split of attn_invariant_keys = 128 is one step, and a
+    # program that folds its splits walks as many steps as the default mode's.
     decode = tree is None and per_req == 1 and not layout.batch_invariant
     few_queries = decode or (tree is not None and not layout.batch_invariant)
-    block_n = cfg.attn_block_n(d, q.element_size(), few_queries or layout.batch_invariant)
+    block_n = cfg.attn_block_n(d, q.element_size(), short_tiles=few_queries or layout.batch_invariant)
     max_kv = max(1, min(layout.max_kv_len, layout.req_to_token.shape[1]))
     min_split = cfg.attn_split_keys(block_n, few_queries)
     want = cfg.attn_programs if cfg.attn_programs is not None else num_programs_to_fill(q.device)

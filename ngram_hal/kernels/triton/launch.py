@@ -124,10 +124,11 @@ class LaunchConfig:
     pdl: bool = False
     pdl_max_weight_bytes: int = 16 << 20
 
-    def attn_block_n(self, head_dim: int, elt_bytes: int, few_queries: bool = False) -> int:
-        """Keys per step of the attention loop: ``attn_key_bytes`` of K (twice that for decode and
-        tree verify), 16 to 128 keys."""
-        key_bytes = self.attn_key_bytes * (2 if few_queries else 1)
+    def attn_block_n(self, head_dim: int, elt_bytes: int, short_tiles: bool = False) -> int:
+        """Keys per step of the attention loop: ``attn_key_bytes`` of K, twice that for programs
+        of short tiles (decode, tree verify, every program of the batch-invariant mode); 16 to 128
+        keys."""
+        key_bytes = self.attn_key_bytes * (2 if short_tiles else 1)
         return max(16, min(128, pow2_floor(key_bytes // max(1, head_dim * elt_bytes))))
 
     def attn_split_keys(self, block_n: int, few_queries: bool = False) -> int:

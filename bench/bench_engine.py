@@ -17,7 +17,9 @@ some; D0 is the first of ``--tree-sizes``):
   invariant-plain, invariant-spec{D0},       the model loaded again with batch_invariant=True;
   invariant-spec{D0}-device,                 only where the backend has that mode (every run of it
   invariant-auto{D0}-device                  commits the same tokens, so ``auto`` meets the fixed
-                                             sizes on the same text)
+                                             sizes on the same text); every other run loads
+                                             it with batch_invariant=False (mode "default" in
+                                             the report), whatever the backend's default
 
 Each run is warmed up once on its engine, untimed (Triton compiles, graphs are captured), then
 timed on the same engine with a fresh drafter and speculation policy, ``--repeats`` times: the
@@ -144,6 +146,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="0 is greedy (default); above 0 every request samples with --seed")
     parser.add_argument("--seed", type=field_type(SamplingParams, "seed"), default=0, metavar="N",
                         help="seed of every request's sampling, 0 <= N < 2**64 (default 0)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every request runs to --max-new-tokens: the same steps at the same batch in every "
+                             "run, whatever tokens a mode commits (the default stops at the model's EOS)")
     parser.add_argument("--max-context-len", type=POSITIVE_INT, default=2048,
                         help="positions per request (default 2048)")
     parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="CPU threads (default: as ngram-hal run)")
@@ -171,7 +176,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.tree_sizes = list(dict.fromkeys(args.tree_sizes))
     if min(args.tree_sizes) < 2:
         parser.error(f"argument --tree-sizes: {min(args.tree_sizes)}: a speculative tree has at least 2 nodes")
-    # What Setup reads besides the options above: one model, in the default mode; the trie drafter
+    # What Setup reads besides the options above: one model, not batch-invariant; the trie drafter
     # (where a run names no other).
     args.batch_invariant, args.no_graphs, args.drafter, args.num_slots = False, False, "trie", DEFAULT_NUM_SLOTS
     return args
@@ -275,7 +280,8 @@ class Workload:
         self.setup, self.batch, self.specs, self.args = setup, batch, specs, args
         self.groups = [[s] for s in specs] if batch == 1 else [specs]
         self.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     seed=args.seed if args.temperature > 0 else None)
+                                     seed=args.seed if args.temperature > 0 else None,
+                                     ignore_eos=args.ignore_eos)
         self.profiling = args.profile_steps > 0 and setup.backend.device.type == "cuda"
         self.longest = max(prompt_lens[s.id] for s in specs)
 
@@ -614,7 +620,8 @@ def bench(args: argparse.Namespace) -> int:
                           "max_context_len": args.max_context_len, "repeats": args.repeats,
                           "requests": args.requests, "quick": args.quick, "products": args.products,
                           "pdl": args.pdl, "launch": args.launch,
-                          "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None},
+                          "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None,
+                          "ignore_eos": args.ignore_eos},
               "prompts": [{"id": s.id, "kind": s.kind, "prompt_tokens": prompt_lens[s.id],
                            "max_new_tokens": s.max_new_tokens} for s in specs],
               "configurations": [dataclasses.asdict(c) for c in configs], "runs": []}

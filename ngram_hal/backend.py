@@ -120,6 +120,12 @@ class Backend:
         ``layer_kernels(..., batch_invariant=True)`` does not depend on the other rows."""
         return self.batch_invariant
 
+    def invariant_by_default(self) -> bool:
+        """Whether an engine on this backend runs the batch-invariant mode unless told otherwise
+        (``ngram-hal run`` with neither ``--batch-invariant`` nor ``--no-batch-invariant``): False
+        here; a backend turns it on where the mode holds and costs little beside its other numerics."""
+        return False
+
     def _impl(self, op: str):
         fn = getattr(self, "_" + op, None)
         if not callable(fn):

@@ -34,9 +34,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of both engine commands: the model's (:func:`add_model_arguments`), the engine's
     and the host's."""
     add_model_arguments(parser)
-    parser.add_argument("--batch-invariant", action="store_true",
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="projections and attention split the same way whatever the batch (cuda and rocm; "
-                             "cpu in float32), so that greedy speculation reproduces plain decoding exactly")
+                             "cpu in float32), so that speculation commits exactly plain decoding's tokens "
+                             "(default: the backend's choice, on for cuda and rocm on a GPU, off on the cpu, whose "
+                             "float32 products are invariant up to 32 rows a call; --no-batch-invariant: the other numerics)")
     parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '

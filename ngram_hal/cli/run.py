@@ -139,7 +139,7 @@ def summary_line(result: RunResult, baseline: RunResult | None, same: list[bool]
     identical = f"identical tokens: {sum(same)}/{len(same)}"
     if ids:
         why = ("; expected when sampling" if not greedy else "" if invariant else
-               "; the default numerics round a row by the rows beside it: --batch-invariant keeps them all")
+               "; these numerics round a row by the rows beside it: --batch-invariant keeps them all")
         identical += f" (differ: {', '.join(ids)}{why})"
     return (f"speedup {speedup or 0:.2f}x ({_rate(t.tokens_per_s)} vs {_rate(b.tokens_per_s)} tok/s), "
             f"{t.tokens_per_verify_step:.2f} tok/verify step, {identical}")

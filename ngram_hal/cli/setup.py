@@ -47,6 +47,15 @@ def default_drafter(backend) -> str:
     return "trie" if backend.runtime.is_host else "device"
 
 
+def numerics_note(invariant: bool, asked: bool | None) -> str:
+    """What the load line says of the numerics: the batch-invariant mode where it runs, the other
+    numerics where ``--no-batch-invariant`` asked for them, nothing for a backend's own default
+    otherwise (the cpu's float32 products, invariant up to 32 rows a call)."""
+    if invariant:
+        return ", batch-invariant"
+    return ", not batch-invariant" if asked is False else ""
+
+
 class Setup:
     """Backend, model and tokenizer loaded once for several runs; ``status`` shows what it is doing.
 
@@ -99,7 +108,7 @@ class Setup:
         caps = self.backend.capabilities()
         status.print(f"loaded {what} in {self.load_s:.1f} s")
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
-                     f"{self.dtype}{', batch-invariant' if self.model.batch_invariant else ''}, "
+                     f"{self.dtype}{numerics_note(self.model.batch_invariant, args.batch_invariant)}, "
                      f"{threads} thread{'s' if threads > 1 else ''}")
         if self.backend_note:
             status.print(f"note: {self.backend_note}")
@@ -109,7 +118,7 @@ class Setup:
             status.print(f"note: {note}")
         self.load_start = os.getloadavg()[0]
 
-    def load_model(self, batch_invariant: bool):
+    def load_model(self, batch_invariant: bool | None):
         """The model file loaded (again) on the backend in the chosen dtype, or with ``--shape`` a
         model of that shape with the seeded weights of :func:`~ngram_hal.engine.model.random_weights`
         (seed 0) made on the device; ``batch_invariant`` as

@@ -126,7 +126,9 @@ class LlamaModel:
             bfloat16 on an accelerator.
         batch_invariant: compute every projection with one fixed tiling whatever the number of rows
             (:mod:`ngram_hal.kernels.gpu.matmul`), so that a row's logits do not depend on its batch;
-            needs a backend whose model kernels are Triton.
+            needs a backend with that mode (``Backend.batch_invariant``). None (the default): the
+            backend's choice, :meth:`~ngram_hal.Backend.invariant_by_default` (on for the Triton
+            backends on a GPU).
         tensor_parallel: None for a whole model on one device; else the ranks of the process
             group this model is one shard of (:mod:`ngram_hal.engine.tensor_parallel`), 1 included:
             its row-parallel products are all-reduced through the backend's collectives, its
@@ -135,7 +137,7 @@ class LlamaModel:
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 dtype: torch.dtype | None = None, batch_invariant: bool = False,
+                 dtype: torch.dtype | None = None, batch_invariant: bool | None = None,
                  tensor_parallel: int | None = None):
         if dtype is None:
             dtype = default_dtype(backend.device)
@@ -150,9 +152,9 @@ class LlamaModel:
         self.dtype = dtype
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = backend.invariant_by_default() if batch_invariant is None else batch_invariant
         self.tensor_parallel = tensor_parallel
-        self.kernels = backend.layer_kernels(config, dtype, batch_invariant)
+        self.kernels = backend.layer_kernels(config, dtype, self.batch_invariant)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -174,7 +176,7 @@ class LlamaModel:
 
     @classmethod
     def from_gguf(cls, backend: Backend, path: str | os.PathLike | None = None,
-                  dtype: torch.dtype | None = None, batch_invariant: bool = False) -> "LlamaModel":
+                  dtype: torch.dtype | None = None, batch_invariant: bool | None = None) -> "LlamaModel":
         """Load a GGUF file (default: the SmolLM2-135M-Instruct file, see :func:`find_model_file`).
 
         The file's tokenizer metadata is kept as ``tokenizer_metadata``
@@ -189,7 +191,7 @@ class LlamaModel:
 
     @classmethod
     def random(cls, config: LlamaConfig, backend: Backend, dtype: torch.dtype = torch.float32,
-               seed: int = 0, batch_invariant: bool = False) -> "LlamaModel":
+               seed: int = 0, batch_invariant: bool | None = None) -> "LlamaModel":
         """A model with the seeded weights of :func:`random_weights`."""
         return cls(config, random_weights(config, seed), backend, dtype, batch_invariant)
 

@@ -72,7 +72,7 @@ def shard(config: LlamaConfig, weights: dict[str, torch.Tensor], rank: int, worl
 
 
 def load_shard(backend: Backend, path: str | os.PathLike | None, dtype: torch.dtype | None, rank: int,
-               world: int, batch_invariant: bool = False) -> LlamaModel:
+               world: int, batch_invariant: bool | None = None) -> LlamaModel:
     """Rank ``rank``'s shard of the GGUF file ``path`` (default: the bundled model) on ``backend``,
     in a process group of ``world`` ranks (:func:`ngram_hal.collectives.init_group`);
     ``batch_invariant`` as :class:`~ngram_hal.engine.model.LlamaModel` takes it."""

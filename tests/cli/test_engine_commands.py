@@ -109,7 +109,7 @@ def test_summary_line_names_the_requests_that_differ():
     assert summary_line(spec, plain, same, greedy=True, invariant=True) == (
         "speedup 2.00x (10.0 vs 5.0 tok/s), 2.00 tok/verify step, identical tokens: 1/2 (differ: r1)")
     assert summary_line(spec, plain, same, greedy=True).endswith(
-        "(differ: r1; the default numerics round a row by the rows beside it: --batch-invariant keeps them all)")
+        "(differ: r1; these numerics round a row by the rows beside it: --batch-invariant keeps them all)")
     assert summary_line(spec, plain, same, greedy=False).endswith("(differ: r1; expected when sampling)")
     assert summary_line(spec, None, None, greedy=True) == "10 tokens in 1.0 s (10.0 tok/s), 2.00 tok/verify step"
 
@@ -122,12 +122,14 @@ def test_summary_line_fits_80_columns_at_gpu_rates():
     assert len(line) <= 80
 
 
-def test_run_says_the_batch_invariant_mode_ran():
-    done = run_cli("run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "3", "--batch-invariant",
+@pytest.mark.parametrize("flag,says", [("--batch-invariant", "batch-invariant"),
+                                       ("--no-batch-invariant", "not batch-invariant")])
+def test_run_says_which_numerics_ran(flag, says):
+    done = run_cli("run", "--prompt", "Say hello twice: hello hello", "--max-new-tokens", "3", flag,
                    "--threads", "1", "--num-slots", "512")
     assert done.returncode == 0, done.stderr[-3000:]
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    assert re.search(rf"using the \S+ backend on \S+, {dtype}, batch-invariant, 1 thread\n", done.stderr), \
+    assert re.search(rf"using the \S+ backend on \S+, {dtype}, {says}, 1 thread\n", done.stderr), \
         done.stderr[-2000:]
 
 
@@ -137,7 +139,8 @@ def test_run_compare_as_a_user_runs_it(tmp_path):
                    "--threads", "1", "--num-slots", "512", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     # What it is doing, on stderr: the load, the kernels, one labelled bar per run that ends full.
-    where = r"cuda backend on cuda(:\d)?, bfloat16" if torch.cuda.is_available() else r"cpu backend on cpu, float32"
+    where = (r"cuda backend on cuda(:\d)?, bfloat16, batch-invariant" if torch.cuda.is_available()
+             else r"cpu backend on cpu, float32")
     # In a pipe (as here) plain time-stamped lines: the load, the one-time work before the timed
     # region, and each run's tokens done against its total, ending full.
     assert re.search(r"loaded \S+\.gguf in [\d.]+ s\n", done.stderr), done.stderr[-2000:]

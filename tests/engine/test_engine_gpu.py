@@ -140,7 +140,7 @@ def test_dependent_launch_changes_no_token(backend, prompts):
     serial.launch = dataclasses.replace(serial.launch, pdl=False)
     runs = {}
     for b in (backend, serial):
-        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=5)
+        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=5, batch_invariant=False)
         assert model.kernels.launch.pdl == b.launch.pdl
         runs[b.launch.pdl] = [_run(model, prompts, tree_size=d, drafter="device", graphs=True)[1] for d in (1, 8)]
     assert runs[True] == runs[False]
@@ -157,7 +157,7 @@ def test_rotating_qkv_product_changes_no_token(backend, prompts):
     apart.launch = dataclasses.replace(apart.launch, rope_in_product=False)
     runs = {}
     for b in (backend, apart):
-        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=6)
+        model = LlamaModel.random(CONFIG, b, dtype=torch.bfloat16, seed=6, batch_invariant=False)
         runs[b.launch.rope_in_product] = [_run(model, prompts, tree_size=d, drafter="device", graphs=True)[1]
                                           for d in (1, 8)]
     assert runs[True] == runs[False]
@@ -208,7 +208,7 @@ def test_invariant_seeded_sampling_with_speculation_equals_plain(backend, prompt
 @pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
 @pytest.mark.parametrize("tree_size,drafter", [(1, "trie"), (8, "trie"), (8, "device")])
 def test_graph_steps_make_no_hidden_sync(backend, prompts, tree_size, drafter, alone):
-    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5)
+    model = LlamaModel.random(CONFIG, backend, dtype=torch.bfloat16, seed=5, batch_invariant=False)
     engine = Engine(model, None, EngineConfig(num_slots=4096, max_context_len=512, max_running=8,
                                               tree_size=tree_size, spec_policy="always", drafter=drafter))
     _generate(engine, prompts, alone)

@@ -330,6 +330,20 @@ def test_tree_branches_equal_their_paths(model, prompt):
 
 # ---------------------------------------------------------------- contract and device-generic
 
+def test_the_numerics_are_the_backends_choice_unless_asked():
+    class ExactByDefault(CpuBackend):
+        def invariant_by_default(self) -> bool:
+            return True
+
+    cpu, exact = CpuBackend(), ExactByDefault()
+    assert not cpu.invariant_by_default(), "the cpu's float32 products are invariant up to 32 rows a call"
+    made = {(name, asked): LlamaModel.random(TINY, backend, batch_invariant=asked).batch_invariant
+            for name, backend in (("cpu", cpu), ("exact", exact)) for asked in (None, True, False)}
+    assert made == {("cpu", None): False, ("cpu", True): True, ("cpu", False): False,
+                    ("exact", None): True, ("exact", True): True, ("exact", False): False}
+    assert LlamaModel.random(TINY, exact).kernels.batch_invariant
+
+
 def test_max_kv_len_may_be_omitted():
     m = LlamaModel.random(TINY, CpuBackend())
     ids = [4, 9, 11, 7, 8]

@@ -31,6 +31,11 @@ class TritonHalOps(TritonAllocOps, TritonKvOps, TritonTreeOps, TritonVerifyOps, 
         row in another order by its place in a tile); compiled kernels sum in one fixed order."""
         return not interpreting()
 
+    def invariant_by_default(self) -> bool:
+        """Wherever the mode holds: on an H100 its speculative steps commit plain decoding's tokens
+        at no more cost than the other numerics' (docs/h200.md, "Exact by default")."""
+        return self.invariance_holds()
+
     def layer_kernels(self, config, dtype, batch_invariant=False):
         """The fused Triton model kernels (:class:`~ngram_hal.kernels.gpu.layer_kernels.TritonLayerKernels`)."""
         from ..gpu.layer_kernels import TritonLayerKernels

@@ -988,6 +988,20 @@ class AttentionInvariantLayoutIgnored(Mutant):
                                 layout.tree_mask, layout.num_queries, layout.max_kv_len)
 
 
+class InvariantByDefaultWhereItFails(Mutant):
+    """Runs the batch-invariant mode by default on a device where, by its own capabilities, the mode
+    does not hold (a default written for one device, left on for another)."""
+
+    fault, op = "capabilities lie", "attention"
+    caught_by = ("test_registration.py::test_capabilities",)
+
+    def invariance_holds(self) -> bool:
+        return False
+
+    def invariant_by_default(self) -> bool:
+        return True
+
+
 class AttentionHalfPrecisionScores(Mutant):
     """Accumulates the query-key dot products in the input dtype: float16 scores overflow."""
 

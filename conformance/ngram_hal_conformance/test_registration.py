@@ -47,6 +47,9 @@ def test_capabilities(backend, device):
     assert caps.page_sizes is None or all(isinstance(p, int) and p >= 1 for p in caps.page_sizes)
     assert caps.warp_size is None or caps.warp_size >= 1
     assert Capabilities.model_validate_json(caps.model_dump_json()) == caps
+    assert caps.batch_invariant or not backend.invariant_by_default(), (
+        "invariant_by_default() is true where capabilities().batch_invariant says the mode does not hold: "
+        "an engine's default numerics would be the unchecked ones")
 
 
 @conformance(tier="registration")

@@ -128,7 +128,9 @@ class LlamaModel:
             (:mod:`ngram_hal.kernels.gpu.matmul`), so that a row's logits do not depend on its batch;
             needs a backend with that mode (``Backend.batch_invariant``). None (the default): the
             backend's choice, :meth:`~ngram_hal.Backend.invariant_by_default` (on for the Triton
-            backends on a GPU).
+            backends on a GPU), except for a shard of more than two ranks: an all-reduce of three
+            or more partial sums may add them in an order that follows the message's size, which
+            the mode does not fix (two add alike in either order).
         tensor_parallel: None for a whole model on one device; else the ranks of the process
             group this model is one shard of (:mod:`ngram_hal.engine.tensor_parallel`), 1 included:
             its row-parallel products are all-reduced through the backend's collectives, its
@@ -152,7 +154,9 @@ class LlamaModel:
         self.dtype = dtype
         self.tokenizer_metadata: TokenizerMetadata | None = None
         self.scale = config.head_dim ** -0.5
-        self.batch_invariant = backend.invariant_by_default() if batch_invariant is None else batch_invariant
+        if batch_invariant is None:
+            batch_invariant = backend.invariant_by_default() and (tensor_parallel or 1) <= 2
+        self.batch_invariant = batch_invariant
         self.tensor_parallel = tensor_parallel
         self.kernels = backend.layer_kernels(config, dtype, self.batch_invariant)
 

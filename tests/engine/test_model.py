@@ -342,6 +342,10 @@ def test_the_numerics_are_the_backends_choice_unless_asked():
     assert made == {("cpu", None): False, ("cpu", True): True, ("cpu", False): False,
                     ("exact", None): True, ("exact", True): True, ("exact", False): False}
     assert LlamaModel.random(TINY, exact).kernels.batch_invariant
+    sharded = {world: LlamaModel(TINY, random_weights(TINY, 0), exact, torch.float32, tensor_parallel=world)
+               for world in (1, 2, 4)}
+    assert {world: m.batch_invariant for world, m in sharded.items()} == {1: True, 2: True, 4: False}, \
+        "more than two ranks' all-reduce may add in an order of its own: not invariant by default"
 
 
 def test_max_kv_len_may_be_omitted():

@@ -47,13 +47,14 @@ def default_drafter(backend) -> str:
     return "trie" if backend.runtime.is_host else "device"
 
 
-def numerics_note(invariant: bool, asked: bool | None) -> str:
-    """What the load line says of the numerics: the batch-invariant mode where it runs, the other
-    numerics where ``--no-batch-invariant`` asked for them, nothing for a backend's own default
-    otherwise (the cpu's float32 products, invariant up to 32 rows a call)."""
+def numerics_note(invariant: bool, name_off: bool) -> str:
+    """What the load line says of the numerics: the batch-invariant mode where it runs; the other
+    numerics where ``name_off`` (``--no-batch-invariant`` asked for them, or the backend's default
+    is the mode and a model sharded over more than two ranks left it); nothing for a backend whose
+    own default they are (the cpu's float32 products, invariant up to 32 rows a call)."""
     if invariant:
         return ", batch-invariant"
-    return ", not batch-invariant" if asked is False else ""
+    return ", not batch-invariant" if name_off else ""
 
 
 class Setup:
@@ -107,9 +108,10 @@ class Setup:
         self.dtype = str(self.model.dtype).removeprefix("torch.")
         caps = self.backend.capabilities()
         status.print(f"loaded {what} in {self.load_s:.1f} s")
+        numerics = numerics_note(self.model.batch_invariant,
+                                 args.batch_invariant is False or self.backend.invariant_by_default())
         status.print(f"using the {caps.name} backend on {caps.device}{' (proxy)' if caps.proxy else ''}, "
-                     f"{self.dtype}{numerics_note(self.model.batch_invariant, args.batch_invariant)}, "
-                     f"{threads} thread{'s' if threads > 1 else ''}")
+                     f"{self.dtype}{numerics}, {threads} thread{'s' if threads > 1 else ''}")
         if self.backend_note:
             status.print(f"note: {self.backend_note}")
         if self.world > 1:

@@ -23,7 +23,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import make_console, make_table, report_header, write_report  # noqa: E402

@@ -37,8 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="projections and attention split the same way whatever the batch (cuda and rocm; "
                              "cpu in float32), so that speculation commits exactly plain decoding's tokens "
-                             "(default: the backend's choice, on for cuda and rocm on a GPU, off on the cpu, whose "
-                             "float32 products are invariant up to 32 rows a call; --no-batch-invariant: the other numerics)")
+                             "(default: the backend's choice, on for cuda and rocm on a GPU, off on the cpu, where the "
+                             "mode's prefill is slow and float32 keeps greedy tokens in practice; --no-batch-invariant: "
+                             "the other numerics)")
     parser.add_argument("--no-graphs", action="store_true", help="launch every step's kernels instead of replaying graphs")
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one request a line: {"messages": [...], "max_new_tokens": N} '

@@ -51,7 +51,7 @@ def numerics_note(invariant: bool, name_off: bool) -> str:
     """What the load line says of the numerics: the batch-invariant mode where it runs; the other
     numerics where ``name_off`` (``--no-batch-invariant`` asked for them, or the backend's default
     is the mode and a model sharded over more than two ranks left it); nothing for a backend whose
-    own default they are (the cpu's float32 products, invariant up to 32 rows a call)."""
+    own default they are (the cpu's float32, whose greedy tokens keep in practice)."""
     if invariant:
         return ", batch-invariant"
     return ", not batch-invariant" if name_off else ""

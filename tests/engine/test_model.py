@@ -336,7 +336,7 @@ def test_the_numerics_are_the_backends_choice_unless_asked():
             return True
 
     cpu, exact = CpuBackend(), ExactByDefault()
-    assert not cpu.invariant_by_default(), "the cpu's float32 products are invariant up to 32 rows a call"
+    assert not cpu.invariant_by_default(), "the cpu keeps float32 by default: its invariant mode's prefill is slow"
     made = {(name, asked): LlamaModel.random(TINY, backend, batch_invariant=asked).batch_invariant
             for name, backend in (("cpu", cpu), ("exact", exact)) for asked in (None, True, False)}
     assert made == {("cpu", None): False, ("cpu", True): True, ("cpu", False): False,
